@@ -1,0 +1,92 @@
+"""Reference attention backend: paged varlen attention in pure torch, FA contract taken literally.
+
+FlashAttention sizes its launch grid from the scalars it is given. This backend does the
+same: per sequence it computes only query rows below `max_seqlen_q` (rounded up to `tile_q`
+when given, like the GPU's row tiles) and keys below `max_seqlen_k`; every other output row
+is NaN. An understated scalar is therefore visible on CPU exactly where a GPU would produce
+garbage. Keys are gathered through the block table only below each sequence's `seqused_k`,
+so poisoned or out-of-range entries past the live batch are never touched.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write each token's k/v to its slot; slot -1 (padding) is skipped."""
+    n = min(k.shape[0], slot_mapping.shape[0])
+    slots = slot_mapping[:n]
+    keep = slots >= 0
+    if not bool(keep.all()):
+        idx = keep.nonzero().squeeze(1)
+        k, v, slots = k[idx], v[idx], slots[idx]
+    else:
+        k, v = k[:n], v[:n]
+    flat_k = k_cache.view(-1, *k_cache.shape[2:])
+    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    flat_k[slots.long()] = k
+    flat_v[slots.long()] = v
+
+
+def varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     cu_seqlens_q: torch.Tensor, max_seqlen_q: int, seqused_k: torch.Tensor,
+                     max_seqlen_k: int, block_table: torch.Tensor, softmax_scale: float,
+                     causal: bool = True, tile_q: int | None = None) -> torch.Tensor:
+    """q: [T, Hq, D]; caches: [num_blocks, block_size, Hkv, D]; returns [T, Hq, D]."""
+    T, Hq, D = q.shape
+    bs, Hkv = k_cache.shape[1], k_cache.shape[2]
+    out = torch.full_like(q, float("nan"))
+    B = cu_seqlens_q.shape[0] - 1
+    if B <= 0 or max_seqlen_q <= 0 or max_seqlen_k <= 0:
+        return out
+    dev = q.device
+    cu = cu_seqlens_q.to(dev, torch.long)
+    q_lens = cu[1:] - cu[:-1]
+    k_lens = seqused_k[:B].to(dev, torch.long)
+    rows = max_seqlen_q if tile_q is None else -(-max_seqlen_q // tile_q) * tile_q
+    Lq, Lk = int(rows), int(max_seqlen_k)
+
+    # Query rows the kernel computes: j < min(q_len, rows) of each sequence.
+    j = torch.arange(Lq, device=dev)
+    q_valid = j[None, :] < torch.clamp(q_lens, max=Lq)[:, None]  # [B, Lq]
+    q_idx = torch.where(q_valid, cu[:-1, None] + j[None, :], torch.zeros_like(j)[None, :])
+    q_idx = q_idx.clamp(0, max(T - 1, 0))
+    qb = q[q_idx]  # [B, Lq, Hq, D]
+
+    # Keys the kernel reads: p < min(seqused_k, max_seqlen_k), fetched page by page.
+    p = torch.arange(Lk, device=dev)
+    k_valid = p[None, :] < torch.clamp(k_lens, max=Lk)[:, None]  # [B, Lk]
+    col = (p // bs).clamp(max=block_table.shape[1] - 1)
+    blocks = block_table[:B].to(dev, torch.long)[:, col]  # [B, Lk]
+    blocks = torch.where(k_valid, blocks, torch.zeros_like(blocks))
+    slots = blocks * bs + (p % bs)[None, :]
+    kb = k_cache.view(-1, Hkv, D)[slots]  # [B, Lk, Hkv, D]
+    vb = v_cache.view(-1, Hkv, D)[slots]
+    if Hq != Hkv:
+        kb = kb.repeat_interleave(Hq // Hkv, dim=2)
+        vb = vb.repeat_interleave(Hq // Hkv, dim=2)
+
+    scores = torch.einsum("bqhd,bkhd->bhqk", qb.float(), kb.float()) * softmax_scale
+    allowed = k_valid[:, None, :]  # [B, 1, Lk]
+    if causal:
+        # Query row j sits at absolute position k_len - q_len + j (bottom-right aligned).
+        qpos = (k_lens - q_lens)[:, None] + j[None, :]  # [B, Lq]
+        allowed = allowed & (p[None, None, :] <= qpos[:, :, None])  # [B, Lq, Lk]
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    res = torch.einsum("bhqk,bkhd->bqhd", probs, vb.float()).to(q.dtype)
+    out[q_idx[q_valid]] = res[q_valid]
+    return out
+
+
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One sequence, contiguous k/v [Lk, Hkv, D], bottom-right causal: the test oracle."""
+    Lq, Hq, _ = q.shape
+    Lk, Hkv, _ = k.shape
+    k = k.repeat_interleave(Hq // Hkv, dim=1).float()
+    v = v.repeat_interleave(Hq // Hkv, dim=1).float()
+    s = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    mask = torch.arange(Lk)[None, :] <= (Lk - Lq + torch.arange(Lq))[:, None]
+    s = s.masked_fill(~mask[None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v).to(q.dtype)

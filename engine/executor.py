@@ -1,0 +1,110 @@
+"""Executors: build the ranks of a layout in a world and move messages to and from them.
+
+`InProcExecutor` runs every rank as a thread of this process (the default for fuzzing);
+`engine.dist_executor.DistExecutor` runs them as torch.distributed processes. Both speak
+the same messages to the same `Worker.run_loop`.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from engine.config import EngineConfig
+from engine.inproc_world import InProcGroup, InProcWorld
+from engine.parallel_state import (RankGroups, SoloGroup, pp_group_ranks, rank_coords,
+                                   tp_group_ranks)
+from engine.schedule import Schedule
+from engine.weights import load_state_dict
+from engine.worker import Channel, Worker
+
+
+def make_groups(cfg: EngineConfig, rank: int, group_factory) -> RankGroups:
+    """The tp, pp and world groups of `rank`; group_factory(ranks, rank, name) -> group."""
+    tp_rank, pp_rank = rank_coords(rank, cfg.tp)
+
+    def grp(ranks: list[int], name: str):
+        return SoloGroup(rank, name) if len(ranks) == 1 else group_factory(ranks, rank, name)
+
+    return RankGroups(rank=rank, tp_rank=tp_rank, pp_rank=pp_rank,
+                      tp=grp(tp_group_ranks(pp_rank, cfg.tp), "tp"),
+                      pp=grp(pp_group_ranks(tp_rank, cfg.tp, cfg.pp), "pp"),
+                      world=grp(list(range(cfg.world_size)), "world"))
+
+
+class _InProcChannel(Channel):
+    def __init__(self, ex: "InProcExecutor", rank: int) -> None:
+        self.ex, self.rank = ex, rank
+        self.inbox: deque = deque()
+
+    def get(self):
+        self.ex.world.wait_for(self.rank, lambda: len(self.inbox) > 0, "next message from driver")
+        return self.inbox.popleft()
+
+    def has_message(self) -> bool:
+        return len(self.inbox) > 0
+
+    def peek_kind(self) -> str:
+        return self.inbox[0][0]
+
+    def put(self, key, value) -> None:
+        self.ex.results.setdefault(key, {})[self.rank] = value
+
+    def run_ahead(self) -> bool:
+        return self.ex.world.sched.run_ahead()
+
+
+class InProcExecutor:
+    def __init__(self, cfg: EngineConfig, record_fa: bool = False) -> None:
+        self.cfg = cfg
+        self.world = InProcWorld(cfg.world_size, cfg.step_timeout_s)
+        self.results: dict[tuple, dict[int, object]] = {}
+        self.channels = [_InProcChannel(self, r) for r in range(cfg.world_size)]
+        sd = load_state_dict(cfg)
+        self.workers: list[Worker | None] = [None] * cfg.world_size
+
+        def factory(ranks, rank, name):
+            return InProcGroup(self.world, ranks, rank, name)
+
+        for rank in range(cfg.world_size):
+            def main(rank=rank) -> None:
+                # Weights are sharded on the rank's own thread, as each process would.
+                w = Worker(cfg, make_groups(cfg, rank, factory), sd, record_fa)
+                self.workers[rank] = w
+                self.world.copiers[rank] = w.copier
+                self.channels[rank].put(("ready",), True)
+                w.run_loop(self.channels[rank])
+            self.world.start(rank, main)
+        self._wait(("ready",), "start-up")
+
+    def _wait(self, key: tuple, what: str) -> dict[int, object]:
+        n = self.cfg.world_size
+        self.world.run_until(lambda: len(self.results.get(key, ())) == n, what)
+        return self.results.pop(key)
+
+    def _broadcast(self, msg: tuple) -> None:
+        for ch in self.channels:
+            ch.inbox.append(msg)
+
+    def reset(self, schedule: Schedule, faults: tuple[str, ...]) -> None:
+        self.world.set_schedule(schedule)
+        self._broadcast(("reset", tuple(faults), schedule.copy_delay == 0.0))
+        self._wait(("reset",), "reset")
+
+    def submit(self, so) -> None:
+        self._broadcast(("step", so))
+
+    def collect(self, microbatch: int) -> dict[int, object]:
+        return self._wait(("step", microbatch), f"microbatch {microbatch}")
+
+    def fa_records(self) -> list:
+        self._broadcast(("records",))
+        per_rank = self._wait(("records",), "FA records")
+        return [r for rank in sorted(per_rank) for r in per_rank[rank]]
+
+    def shutdown(self) -> None:
+        if self.world.broken is None:
+            self._broadcast(("stop",))
+            try:
+                self.world.run_until(lambda: all(r.state == "done" for r in self.world.ranks), "stop")
+            except Exception:
+                pass  # a rank failing on the way out is already reported by the step that broke it
+        self.world.shutdown()

@@ -1,0 +1,181 @@
+"""Llama decoder for one rank: RMSNorm, RoPE, GQA attention, SwiGLU MLP.
+
+Parallelism is a transform of single-device code: each module keeps its shard of the full
+Hugging Face weights (column/row-parallel linears, vocab-parallel embedding and LM head,
+KV heads replicated when tp > num_kv_heads) and inserts the collective the shard needs.
+Pipeline stages keep the layers of `get_pp_indices` and hold `PPMissingLayer` elsewhere.
+With sequence parallelism the residual stream between layers is scattered across TP ranks
+(reduce_scatter after the row-parallel linears, all_gather before the column-parallel ones).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import EngineConfig
+from engine.parallel_state import RankGroups
+from engine.weights import layer_names
+
+
+def get_pp_indices(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """[start, end) layers of stage `pp_rank`; when layers % pp != 0 the last stages get one
+    more layer each (the first stage also holds the embedding, the last the LM head)."""
+    base, extra = divmod(num_layers, pp_size)
+    sizes = [base + (1 if s >= pp_size - extra else 0) for s in range(pp_size)]
+    start = sum(sizes[:pp_rank])
+    return start, start + sizes[pp_rank]
+
+
+class PPMissingLayer:
+    """Placeholder for a layer that lives on another pipeline stage."""
+
+    def __repr__(self) -> str:
+        return "PPMissingLayer()"
+
+
+@dataclass(slots=True)
+class IntermediateTensors:
+    """What one PP stage hands the next: hidden_states and residual."""
+
+    hidden_states: torch.Tensor
+    residual: torch.Tensor
+
+    def to_dict(self) -> dict:
+        return {"hidden_states": self.hidden_states, "residual": self.residual}
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same op order as transformers' LlamaRMSNorm: normalise in fp32, scale after the cast.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; cos/sin: [T, D]. rotate_half convention (Hugging Face Llama)."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos[:, None, :] + rot * sin[:, None, :]).to(x.dtype)
+
+
+class LlamaLayer:
+    """One decoder layer's shard on one TP rank."""
+
+    def __init__(self, cfg: EngineConfig, idx: int, sd: dict, g: RankGroups) -> None:
+        n, tp, r, D = layer_names(idx), cfg.tp, g.tp_rank, cfg.head_dim
+        self.idx, self.cfg, self.g = idx, cfg, g
+        self.num_heads = cfg.num_attention_heads // tp
+        if tp <= cfg.num_key_value_heads:
+            self.num_kv_heads = cfg.num_key_value_heads // tp
+            kv0 = r * self.num_kv_heads
+        else:  # replicate: rank r uses the kv head its query heads belong to
+            self.num_kv_heads = 1
+            kv0 = r * cfg.num_key_value_heads // tp
+        q0 = r * self.num_heads
+        self.wq = sd[n["self_attn.q_proj.weight"]][q0 * D:(q0 + self.num_heads) * D].contiguous()
+        self.wk = sd[n["self_attn.k_proj.weight"]][kv0 * D:(kv0 + self.num_kv_heads) * D].contiguous()
+        self.wv = sd[n["self_attn.v_proj.weight"]][kv0 * D:(kv0 + self.num_kv_heads) * D].contiguous()
+        self.wo = sd[n["self_attn.o_proj.weight"]][:, q0 * D:(q0 + self.num_heads) * D].contiguous()
+        inter = cfg.intermediate_size // tp
+        self.wgate = sd[n["mlp.gate_proj.weight"]][r * inter:(r + 1) * inter].contiguous()
+        self.wup = sd[n["mlp.up_proj.weight"]][r * inter:(r + 1) * inter].contiguous()
+        self.wdown = sd[n["mlp.down_proj.weight"]][:, r * inter:(r + 1) * inter].contiguous()
+        self.ln1 = sd[n["input_layernorm.weight"]]
+        self.ln2 = sd[n["post_attention_layernorm.weight"]]
+
+    def _gather_seq(self, x: torch.Tensor) -> torch.Tensor:
+        return self.g.tp.all_gather(x, dim=0) if self.cfg.sequence_parallel else x
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cfg.sequence_parallel:
+            return self.g.tp.reduce_scatter(x, dim=0)
+        return self.g.tp.all_reduce(x)
+
+    def forward(self, positions, hidden, residual, cos, sin, attn) -> tuple[torch.Tensor, torch.Tensor]:
+        eps, D = self.cfg.rms_norm_eps, self.cfg.head_dim
+        # Residual stream (scattered across TP ranks under sequence parallelism).
+        residual = hidden if residual is None else hidden + residual
+        x = self._gather_seq(rms_norm(residual, self.ln1, eps))
+        T = x.shape[0]
+        q = F.linear(x, self.wq).view(T, self.num_heads, D)
+        k = F.linear(x, self.wk).view(T, self.num_kv_heads, D)
+        v = F.linear(x, self.wv).view(T, self.num_kv_heads, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = attn(self.idx, q, k, v)
+        hidden = self._reduce(F.linear(o.reshape(T, self.num_heads * D), self.wo))
+        residual = hidden + residual
+        x = self._gather_seq(rms_norm(residual, self.ln2, eps))
+        mlp = F.linear(F.silu(F.linear(x, self.wgate)) * F.linear(x, self.wup), self.wdown)
+        return self._reduce(mlp), residual
+
+
+class LlamaForCausalLM:
+    """The rank's slice of the model: embedding on stage 0, layers of `get_pp_indices`,
+    final norm and LM head on the last stage."""
+
+    def __init__(self, cfg: EngineConfig, sd: dict, g: RankGroups) -> None:
+        self.cfg, self.g = cfg, g
+        self.start, self.end = get_pp_indices(cfg.num_hidden_layers, g.pp_rank, cfg.pp)
+        self.is_first = g.pp_rank == 0
+        self.is_last = g.pp_rank == cfg.pp - 1
+        vshard = cfg.vocab_size // cfg.tp
+        self.vocab_start = g.tp_rank * vshard
+        self.embed = sd["model.embed_tokens.weight"][self.vocab_start:self.vocab_start + vshard].contiguous() \
+            if self.is_first else PPMissingLayer()
+        self.layers = [LlamaLayer(cfg, i, sd, g) if self.start <= i < self.end else PPMissingLayer()
+                       for i in range(cfg.num_hidden_layers)]
+        self.norm = sd["model.norm.weight"] if self.is_last else PPMissingLayer()
+        self.lm_head = sd["lm_head.weight"][self.vocab_start:self.vocab_start + vshard].contiguous() \
+            if self.is_last else PPMissingLayer()
+        D = cfg.head_dim
+        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+
+    def to(self, device: str) -> "LlamaForCausalLM":
+        for obj in [self] + [layer for layer in self.layers if isinstance(layer, LlamaLayer)]:
+            for k, v in vars(obj).items():
+                if isinstance(v, torch.Tensor):
+                    setattr(obj, k, v.to(device))
+        return self
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        dtype = self.cfg.torch_dtype()
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        vshard = self.embed.shape[0]
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < vshard)
+        out = F.embedding(local.clamp(0, vshard - 1), self.embed) * mine[:, None].to(self.embed.dtype)
+        return self.g.tp.all_reduce(out)
+
+    def scatter_seq(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a sequence-parallel residual (token count padded to tp)."""
+        return x.chunk(self.cfg.tp, dim=0)[self.g.tp_rank].contiguous()
+
+    def forward(self, input_ids, positions, intermediate: IntermediateTensors | None, attn):
+        cos, sin = self.rope(positions)
+        if self.is_first:
+            hidden, residual = self.embed_tokens(input_ids), None
+            if self.cfg.sequence_parallel:
+                hidden = self.scatter_seq(hidden)
+        else:
+            hidden, residual = intermediate.hidden_states, intermediate.residual
+            if self.cfg.sequence_parallel:  # hidden crosses stages whole, residual scattered
+                hidden = self.scatter_seq(hidden)
+        for layer in self.layers[self.start:self.end]:
+            hidden, residual = layer.forward(positions, hidden, residual, cos, sin, attn)
+        if not self.is_last:
+            if self.cfg.sequence_parallel:
+                hidden = self.g.tp.all_gather(hidden, dim=0)
+            return IntermediateTensors(hidden, residual)
+        out = rms_norm(hidden + residual, self.norm, self.cfg.rms_norm_eps)
+        if self.cfg.sequence_parallel:
+            out = self.g.tp.all_gather(out, dim=0)
+        return out
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.g.tp.all_gather(F.linear(hidden, self.lm_head), dim=-1)

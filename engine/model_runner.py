@@ -1,0 +1,212 @@
+"""GPUModelRunner: one rank's persistent state, input preparation and forward (vLLM v1 shape).
+
+A microbatch goes through two phases. `prepare` runs on the host: update request states
+from the SchedulerOutput, fill the persistent InputBatch, reorder it, compute the step's
+host scalars, write the staging buffers and issue their async copies. `execute` is the
+device work: PP receive into persistent buffers, forward, PP send or logits and sampling.
+With PP the host may prepare microbatch m+1 before m executes (it runs ahead of the device
+in a real engine), which is where the staging-buffer races of field note 2 live.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.async_copy import AsyncCopier, CopyHandle
+from engine.attention.metadata import AttentionContext, AttentionMetadataBuilder
+from engine.config import EngineConfig
+from engine.faults import FaultSet
+from engine.input_batch import POISON_INT, CachedRequestState, CpuGpuBuffer, InputBatch
+from engine.model import IntermediateTensors, LlamaForCausalLM
+from engine.parallel_state import RankGroups
+from engine.scheduler import SchedulerOutput
+
+KV_POISON = 1.0e4  # finite: paged kernels load whole pages and 0 x NaN would be NaN
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    microbatch: int
+    rank: int
+    req_ids: list[str]  # requests that sampled this step, in batch order
+    sampled_token_ids: list[int]
+    logits: torch.Tensor  # [len(req_ids), vocab] fp32 on CPU
+    num_tokens: dict[str, int]  # per sampled request: tokens this rank knew (engine invariant)
+
+
+@dataclass(slots=True)
+class PreparedBatch:
+    microbatch: int
+    num_reqs: int
+    num_actual_tokens: int
+    num_padded_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    logits_indices: torch.Tensor
+    sample_req_ids: list[str]
+    num_tokens: dict[str, int]
+
+
+class GPUModelRunner:
+    def __init__(self, cfg: EngineConfig, groups: RankGroups, state_dict: dict,
+                 faults: FaultSet, copier: AsyncCopier, record_fa: bool = False) -> None:
+        self.cfg, self.g, self.faults, self.copier = cfg, groups, faults, copier
+        dev, dtype = cfg.device, cfg.torch_dtype()
+        self.model = LlamaForCausalLM(cfg, state_dict, groups).to(dev)
+        layer0 = self.model.layers[self.model.start]
+        kv_shape = (cfg.num_gpu_blocks, cfg.block_size, layer0.num_kv_heads, cfg.head_dim)
+        self.kv_caches = {i: (torch.zeros(kv_shape, dtype=dtype, device=dev),
+                              torch.zeros(kv_shape, dtype=dtype, device=dev))
+                          for i in range(self.model.start, self.model.end)}
+        self.requests: dict[str, CachedRequestState] = {}
+        R, T = cfg.max_num_seqs, cfg.max_num_batched_tokens + cfg.tp  # room for SP padding
+        self.max_num_tokens = T
+        self.input_batch = InputBatch(R, cfg.max_model_len, cfg.max_blocks_per_req)
+        self.input_ids = CpuGpuBuffer(T, dtype=torch.int64, device=dev)
+        self.positions = CpuGpuBuffer(T, dtype=torch.int64, device=dev)
+        self.query_start_loc = CpuGpuBuffer(R + 1, dtype=torch.int32, device=dev)
+        self.seq_lens = CpuGpuBuffer(R, dtype=torch.int32, device=dev)
+        self.slot_mapping = CpuGpuBuffer(T, dtype=torch.int64, device=dev)
+        self.block_table = torch.zeros(R, cfg.max_blocks_per_req, dtype=torch.int32, device=dev)
+        # Persistent PP receive buffers (sync_and_slice_intermediate_tensors copies into them).
+        self.intermediate_tensors = {k: torch.zeros(T, cfg.hidden_size, dtype=dtype, device=dev)
+                                     for k in ("hidden_states", "residual")}
+        self.builder = AttentionMetadataBuilder()
+        self.fa_records: list | None = [] if record_fa else None
+        self._staging_copies: list[CopyHandle] = []
+        self.scale = cfg.head_dim ** -0.5
+
+    # -- reset between Cases ---------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget all requests and poison every persistent buffer, so a stale read fails
+        inside the Case that makes it."""
+        self.copier.synchronize()
+        self.requests.clear()
+        self.input_batch.clear()
+        self.input_batch.token_ids.fill_(POISON_INT)
+        self.input_batch.block_table.table.fill_(POISON_INT)
+        for buf in (self.input_ids, self.positions, self.query_start_loc, self.seq_lens, self.slot_mapping):
+            buf.poison()
+        self.block_table.fill_(POISON_INT)
+        for t in self.intermediate_tensors.values():
+            t.fill_(float("nan"))
+        for k, v in self.kv_caches.values():
+            k.fill_(KV_POISON)
+            v.fill_(KV_POISON)
+        if self.fa_records is not None:
+            self.fa_records.clear()
+
+    # -- host phase --------------------------------------------------------------------------
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for rid in so.finished_req_ids | so.preempted_req_ids:
+            self.requests.pop(rid, None)
+        for nr in so.scheduled_new_reqs:
+            self.requests[nr.req_id] = CachedRequestState(nr.req_id, list(nr.token_ids),
+                                                          list(nr.block_ids), nr.num_computed_tokens)
+        c = so.scheduled_cached_reqs
+        stale = self.faults.on("pp_stale_new_token_ids") and not self.model.is_last
+        for rid, toks, blocks, ncomp in zip(c.req_ids, c.new_token_ids, c.new_block_ids, c.num_computed_tokens):
+            st = self.requests[rid]
+            st.token_ids.extend(toks[:-1] if stale and toks else toks)
+            st.block_ids.extend(blocks)
+            st.num_computed_tokens = ncomp
+
+    def prepare(self, so: SchedulerOutput) -> PreparedBatch:
+        self._update_states(so)
+        ib = self.input_batch
+        ib.clear()
+        for rid, n in so.num_scheduled_tokens.items():
+            ib.add_request(self.requests[rid], n)
+        ib.reorder_batch(swap_block_table=not self.faults.on("reorder_skips_block_table"))
+        R = ib.num_reqs
+        ns = torch.tensor(ib.num_scheduled[:R], dtype=torch.int64)
+        nc = torch.tensor(ib.num_computed_tokens[:R], dtype=torch.int64)
+        T = int(ns.sum())
+        T_pad = -(-T // self.cfg.tp) * self.cfg.tp if self.cfg.sequence_parallel else T
+        cu = torch.zeros(R + 1, dtype=torch.int64)
+        cu[1:] = torch.cumsum(ns, 0)
+        req_idx = torch.repeat_interleave(torch.arange(R), ns)
+        pos = nc[req_idx] + torch.arange(T) - cu[:-1][req_idx]
+        seq_lens = nc + ns
+        bs = self.cfg.block_size
+        bt = ib.block_table.table[:R]
+        slots = bt[req_idx, pos // bs].to(torch.int64) * bs + pos % bs
+        # Which rows sample: those whose scheduled tokens reach the end of what is known.
+        ntok = torch.tensor(ib.num_tokens[:R], dtype=torch.int64)
+        samples = (seq_lens >= ntok).nonzero().squeeze(1)
+        sample_req_ids = [ib.req_ids[i] for i in samples.tolist()]
+
+        # The previous microbatch's copies read the staging buffers when they land: wait for
+        # them before overwriting (skipping this wait is field note 2).
+        if not self.faults.on("pp_shared_staging_buffer"):
+            for h in self._staging_copies:
+                self.copier.wait(h)
+        self.input_ids.cpu[:T] = ib.token_ids[req_idx, pos]
+        self.positions.cpu[:T] = pos
+        self.slot_mapping.cpu[:T] = slots
+        self.input_ids.cpu[T:T_pad] = 0
+        self.positions.cpu[T:T_pad] = 0
+        self.slot_mapping.cpu[T:T_pad] = -1
+        self.query_start_loc.cpu[:R + 1] = cu.to(torch.int32)
+        self.seq_lens.cpu[:R] = seq_lens.to(torch.int32)
+        cp = self.copier
+        self._staging_copies = [
+            self.input_ids.copy_to_gpu(cp, T_pad), self.positions.copy_to_gpu(cp, T_pad),
+            self.slot_mapping.copy_to_gpu(cp, T_pad), self.query_start_loc.copy_to_gpu(cp, R + 1),
+            self.seq_lens.copy_to_gpu(cp, R), cp.copy(self.block_table[:R], bt)]
+        cp.launch(so.microbatch)
+        return PreparedBatch(
+            microbatch=so.microbatch, num_reqs=R, num_actual_tokens=T, num_padded_tokens=T_pad,
+            max_query_len=int(ns.max()), max_seq_len=int(seq_lens.max()),
+            logits_indices=(cu[1:][samples] - 1).to(self.cfg.device), sample_req_ids=sample_req_ids,
+            num_tokens={ib.req_ids[i]: ib.num_tokens[i] for i in samples.tolist()})
+
+    # -- device phase ---------------------------------------------------------------------------
+    def sync_and_slice_intermediate_tensors(self, recv: dict, num_tokens: int) -> IntermediateTensors:
+        """Copy the received tensors into the persistent PP buffers and return their slices."""
+        sp = self.cfg.sequence_parallel
+        out = {}
+        for k, v in recv.items():
+            is_scattered = ("residual" if self.faults.on("sp_residual_copy_len") else k == "residual") and sp
+            copy_len = num_tokens // self.cfg.tp if is_scattered else num_tokens
+            rows = num_tokens // self.cfg.tp if (k == "residual" and sp) else num_tokens
+            h = self.copier.copy(self.intermediate_tensors[k][:copy_len], v[:copy_len])
+            if not self.faults.on("intermediate_copy_unsynced"):
+                self.copier.wait(h)
+            out[k] = self.intermediate_tensors[k][:rows]
+        return IntermediateTensors(out["hidden_states"], out["residual"])
+
+    def execute(self, pb: PreparedBatch) -> ModelRunnerOutput | None:
+        g, cfg, m = self.g, self.cfg, self.model
+        self.copier.start_compute(pb.microbatch)
+        try:
+            R, T = pb.num_reqs, pb.num_padded_tokens
+            md = self.builder.build(
+                query_start_loc=self.query_start_loc.gpu[:R + 1], seq_lens=self.seq_lens.gpu[:R],
+                block_table=self.block_table[:R], slot_mapping=self.slot_mapping.gpu[:T],
+                num_reqs=R, num_actual_tokens=pb.num_actual_tokens,
+                max_query_len=pb.max_query_len, max_seq_len=pb.max_seq_len)
+            attn = AttentionContext(md, self.kv_caches, self.scale, rank=g.rank,
+                                    microbatch=pb.microbatch, records=self.fa_records)
+            inter = None
+            if not m.is_first:
+                recv = g.pp.recv_tensor_dict(all_gather_group=g.tp)
+                inter = self.sync_and_slice_intermediate_tensors(recv, T)
+            out = m.forward(self.input_ids.gpu[:T], self.positions.gpu[:T], inter, attn)
+            if not m.is_last:
+                g.pp.send_tensor_dict(out.to_dict(), all_gather_group=g.tp,
+                                      scattered=("residual",) if cfg.sequence_parallel else ())
+                logits = None
+            else:
+                logits = m.compute_logits(out[pb.logits_indices]).float()
+        finally:
+            self.copier.end_compute(pb.microbatch)
+        if cfg.broadcast_pp_output and cfg.pp > 1:
+            # Every rank receives the last stage's logits and samples itself (field note 7).
+            logits = g.pp.broadcast_tensor_dict({"logits": logits} if m.is_last else None,
+                                                src=cfg.pp - 1)["logits"]
+        if logits is None:
+            return None
+        return ModelRunnerOutput(pb.microbatch, g.rank, pb.sample_req_ids,
+                                 logits.argmax(-1).tolist(), logits.cpu(), pb.num_tokens)

@@ -1,0 +1,196 @@
+"""Scheduler: continuous batching with chunked prefill and recompute preemption (vLLM v1 shape).
+
+`schedule()` spends a token budget on running requests first, then waiting ones; a prompt
+longer than the budget is prefilled in chunks. `num_computed_tokens` advances at schedule
+time, so with PP several microbatches can be in flight; a request is never scheduled again
+while one of its microbatches is in flight. When the KV pool is short the newest running
+request that is not in flight is preempted (blocks freed, recomputed later).
+"""
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.kv_cache import KVCacheManager
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class Request:
+    """Driver-side state of one request."""
+
+    def __init__(self, req_id: str, prompt_token_ids: list[int], max_tokens: int,
+                 forced_token_ids: list[int] | None = None) -> None:
+        self.req_id = req_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.max_tokens = max_tokens
+        self.forced_token_ids = forced_token_ids  # teacher forcing: appended instead of samples
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_tokens_sent = 0  # tokens the ranks already know (drives new_token_ids)
+        self.status = RequestStatus.WAITING
+        self.in_flight = False
+        self.num_preemptions = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return len(self.output_token_ids) >= self.max_tokens
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    req_id: str
+    token_ids: list[int]  # prompt (plus outputs so far, after a preemption)
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    req_ids: list[str] = field(default_factory=list)
+    new_token_ids: list[list[int]] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One microbatch, as shipped to every rank."""
+
+    microbatch: int
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str]
+    preempted_req_ids: set[str]
+
+
+class Scheduler:
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        self.kv = KVCacheManager(cfg.num_gpu_blocks, cfg.block_size)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_since_last: set[str] = set()
+        self._preempted_since_last: set[str] = set()
+        self._next_microbatch = 0
+        self.num_preemptions = 0
+
+    def add_request(self, req: Request) -> None:
+        self.requests[req.req_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput | None:
+        """Next microbatch, or None when nothing can be scheduled now."""
+        budget = self.cfg.max_num_batched_tokens
+        num_sched: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached = CachedRequestData()
+
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req.in_flight or req not in self.running:
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:
+                continue
+            new_blocks = self._allocate_or_preempt(req, req.num_computed_tokens + n)
+            if new_blocks is None:
+                continue
+            num_sched[req.req_id] = n
+            budget -= n
+            cached.req_ids.append(req.req_id)
+            cached.new_token_ids.append(req.all_token_ids[req.num_tokens_sent:])
+            cached.new_block_ids.append(new_blocks)
+            cached.num_computed_tokens.append(req.num_computed_tokens)
+
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n < req.num_tokens and not self.cfg.enable_chunked_prefill:
+                break
+            blocks = self.kv.allocate_slots(req.req_id, n)
+            if blocks is None:
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            num_sched[req.req_id] = n
+            budget -= n
+            new_reqs.append(NewRequestData(req.req_id, req.all_token_ids,
+                                           list(self.kv.req_blocks[req.req_id]), 0))
+
+        if not num_sched:
+            return None
+        for rid in num_sched:
+            req = self.requests[rid]
+            req.num_computed_tokens += num_sched[rid]
+            req.num_tokens_sent = req.num_tokens
+            req.in_flight = True
+        out = SchedulerOutput(
+            microbatch=self._next_microbatch, scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached, num_scheduled_tokens=num_sched,
+            total_num_scheduled_tokens=sum(num_sched.values()),
+            finished_req_ids=self._finished_since_last, preempted_req_ids=self._preempted_since_last)
+        self._finished_since_last, self._preempted_since_last = set(), set()
+        self._next_microbatch += 1
+        return out
+
+    def _allocate_or_preempt(self, req: Request, total_tokens: int) -> list[int] | None:
+        while True:
+            blocks = self.kv.allocate_slots(req.req_id, total_tokens)
+            if blocks is not None:
+                return blocks
+            victims = [r for r in self.running if not r.in_flight and r is not req]
+            if not victims:
+                return None
+            self._preempt(victims[-1])
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req.req_id)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_tokens_sent = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self._preempted_since_last.add(req.req_id)
+        self.waiting.appendleft(req)
+
+    def update_from_output(self, sched: SchedulerOutput, sampled: dict[str, int]) -> list[str]:
+        """Append the tokens of requests that completed their known tokens; return the ids
+        that finished."""
+        finished = []
+        for rid in sched.num_scheduled_tokens:
+            req = self.requests[rid]
+            req.in_flight = False
+            if rid in sampled and req.status is RequestStatus.RUNNING:
+                req.output_token_ids.append(sampled[rid])
+                if req.is_finished:
+                    req.status = RequestStatus.FINISHED
+                    self.running.remove(req)
+                    self.kv.free(rid)
+                    self._finished_since_last.add(rid)
+                    finished.append(rid)
+        return finished

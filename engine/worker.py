@@ -1,0 +1,77 @@
+"""Worker: one rank's loop, identical in every world.
+
+The loop receives messages from the driver through a channel (in-process deque or a
+process queue), prepares and executes microbatches, and posts one result per microbatch
+per rank. When the Schedule says so, the host prepares the next microbatch before
+executing the current one, as a real engine's CPU runs ahead of its GPU.
+"""
+from __future__ import annotations
+
+import abc
+from collections import deque
+
+from engine.async_copy import AsyncCopier
+from engine.config import EngineConfig
+from engine.faults import FaultSet
+from engine.model_runner import GPUModelRunner
+from engine.parallel_state import RankGroups
+
+
+class Channel(abc.ABC):
+    """How a rank talks to its driver; each world implements it."""
+
+    @abc.abstractmethod
+    def get(self):
+        """Next message (blocks)."""
+
+    @abc.abstractmethod
+    def has_message(self) -> bool:
+        """A message is waiting (never blocks)."""
+
+    @abc.abstractmethod
+    def peek_kind(self) -> str:
+        """Kind of the waiting message."""
+
+    @abc.abstractmethod
+    def put(self, key, value) -> None:
+        """Post a result for the driver."""
+
+    @abc.abstractmethod
+    def run_ahead(self) -> bool:
+        """The Schedule's decision: prepare the next microbatch before executing."""
+
+
+class Worker:
+    def __init__(self, cfg: EngineConfig, groups: RankGroups, state_dict: dict,
+                 record_fa: bool = False) -> None:
+        self.cfg, self.groups = cfg, groups
+        self.copier = AsyncCopier()
+        self.runner = GPUModelRunner(cfg, groups, state_dict, FaultSet(), self.copier, record_fa)
+
+    def run_loop(self, chan: Channel) -> None:
+        pending: deque = deque()  # prepared, not yet executed
+        while True:
+            if pending:
+                ahead = (len(pending) == 1 and chan.has_message() and chan.peek_kind() == "step"
+                         and chan.run_ahead())
+                if not ahead:
+                    pb = pending.popleft()
+                    chan.put(("step", pb.microbatch), self.runner.execute(pb))
+                    continue
+            msg = chan.get()
+            kind = msg[0]
+            if kind == "step":
+                pending.append(self.runner.prepare(msg[1]))
+            elif kind == "reset":
+                _, faults, land_immediately = msg
+                self.runner.faults = FaultSet(faults)
+                self.copier.land_immediately = land_immediately
+                self.runner.reset()
+                chan.put(("reset",), True)
+            elif kind == "records":
+                recs = self.runner.fa_records
+                chan.put(("records",), list(recs) if recs is not None else [])
+            elif kind == "stop":
+                return
+            else:
+                raise ValueError(f"worker: unknown message {kind!r}")
