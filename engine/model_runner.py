@@ -113,6 +113,12 @@ class GPUModelRunner:
             st.num_computed_tokens = ncomp
 
     def prepare(self, so: SchedulerOutput) -> PreparedBatch:
+        # The previous microbatch's copies read the staging buffers (the InputBatch block
+        # table among them) when they land: wait for them before overwriting any of it.
+        # Skipping this wait is field note 2.
+        if not self.faults.on("pp_shared_staging_buffer"):
+            for h in self._staging_copies:
+                self.copier.wait(h)
         self._update_states(so)
         ib = self.input_batch
         ib.clear()
@@ -137,11 +143,6 @@ class GPUModelRunner:
         samples = (seq_lens >= ntok).nonzero().squeeze(1)
         sample_req_ids = [ib.req_ids[i] for i in samples.tolist()]
 
-        # The previous microbatch's copies read the staging buffers when they land: wait for
-        # them before overwriting (skipping this wait is field note 2).
-        if not self.faults.on("pp_shared_staging_buffer"):
-            for h in self._staging_copies:
-                self.copier.wait(h)
         self.input_ids.cpu[:T] = ib.token_ids[req_idx, pos]
         self.positions.cpu[:T] = pos
         self.slot_mapping.cpu[:T] = slots

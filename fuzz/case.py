@@ -1,0 +1,155 @@
+"""Case: everything one fuzz example runs, as a frozen value with a versioned JSON form.
+
+A Case is EngineConfig + Workload + Schedule + faults. It is what strategies draw, what
+ranks receive, what Hypothesis shrinks and what a reproducer stores. Loading never
+executes anything from the file (JSON only); a malformed, truncated or newer-format file
+fails with one line naming the problem.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from engine.config import ConfigError, EngineConfig
+from engine.faults import FAULTS
+from engine.schedule import Schedule
+
+CASE_FORMAT = 1
+
+
+class CaseFormatError(ValueError):
+    """A case file or dict that cannot be loaded; the message is one line."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSpec:
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+    arrival_step: int = 0  # driver step at which the request is added
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    requests: tuple[RequestSpec, ...]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(r.prompt_token_ids) for r in self.requests)
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    config: EngineConfig
+    workload: Workload
+    schedule: Schedule = field(default_factory=Schedule)
+    faults: tuple[str, ...] = ()
+
+    @property
+    def layout(self) -> str:
+        return self.config.layout
+
+    @property
+    def mode(self) -> str:
+        return "eager" if self.config.cudagraph_mode == "NONE" else "graph"
+
+    def describe(self) -> str:
+        w = self.workload
+        lens = [len(r.prompt_token_ids) for r in w.requests]
+        extra = []
+        if self.config.sequence_parallel:
+            extra.append("sp")
+        if self.config.broadcast_pp_output:
+            extra.append("broadcast_pp_output")
+        if not self.schedule.is_default:
+            extra.append(f"schedule={self.schedule.to_dict()}")
+        if self.faults:
+            extra.append(f"faults={list(self.faults)}")
+        return (f"{self.layout} {self.mode} | {len(lens)} request(s), prompt lens {lens}, "
+                f"budget {self.config.max_num_batched_tokens}, blocks {self.config.num_gpu_blocks}"
+                + (" | " + " ".join(extra) if extra else ""))
+
+    def validate(self) -> None:
+        """Everything a rank would trip over, checked before any rank starts."""
+        cfg = self.config
+        if not self.workload.requests:
+            raise CaseFormatError("workload: no requests")
+        for i, r in enumerate(self.workload.requests):
+            if not r.prompt_token_ids:
+                raise CaseFormatError(f"workload.requests[{i}]: empty prompt")
+            if r.max_tokens < 1:
+                raise CaseFormatError(f"workload.requests[{i}].max_tokens: {r.max_tokens} < 1")
+            if r.arrival_step < 0:
+                raise CaseFormatError(f"workload.requests[{i}].arrival_step: negative")
+            if len(r.prompt_token_ids) + r.max_tokens > cfg.max_model_len:
+                raise CaseFormatError(f"workload.requests[{i}]: prompt + max_tokens exceeds "
+                                      f"max_model_len={cfg.max_model_len}")
+            bad = [t for t in r.prompt_token_ids if not 0 <= t < cfg.vocab_size]
+            if bad:
+                raise CaseFormatError(f"workload.requests[{i}]: token id {bad[0]} outside vocab "
+                                      f"of {cfg.vocab_size}")
+        unknown = [f for f in self.faults if f not in FAULTS]
+        if unknown:
+            raise CaseFormatError(f"faults: unknown fault {unknown[0]!r}")
+
+    # -- JSON ------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "format": CASE_FORMAT,
+            "config": self.config.to_dict(),
+            "workload": [{"prompt_token_ids": list(r.prompt_token_ids), "max_tokens": r.max_tokens,
+                          "arrival_step": r.arrival_step} for r in self.workload.requests],
+            "schedule": self.schedule.to_dict(),
+            "faults": list(self.faults),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: object) -> "Case":
+        if not isinstance(d, dict):
+            raise CaseFormatError("case: expected a JSON object")
+        fmt = d.get("format")
+        if not isinstance(fmt, int):
+            raise CaseFormatError("case.format: missing or not an integer")
+        if fmt > CASE_FORMAT:
+            raise CaseFormatError(f"case.format: {fmt} is newer than this llmfuzz understands "
+                                  f"({CASE_FORMAT}); upgrade llmfuzz")
+        for key in ("config", "workload"):
+            if key not in d:
+                raise CaseFormatError(f"case.{key}: missing")
+        try:
+            cfg_d = dict(d["config"])
+            cfg_d["capture_sizes"] = tuple(cfg_d.get("capture_sizes", ()))
+            cfg = EngineConfig.from_dict(cfg_d)
+        except ConfigError as e:
+            raise CaseFormatError(f"case.config: {e}") from None
+        except (TypeError, ValueError) as e:
+            raise CaseFormatError(f"case.config: {e}") from None
+        try:
+            reqs = tuple(RequestSpec(tuple(int(t) for t in r["prompt_token_ids"]), int(r["max_tokens"]),
+                                     int(r.get("arrival_step", 0))) for r in d["workload"])
+            sched = Schedule.from_dict(d.get("schedule", {}))
+            faults = tuple(str(f) for f in d.get("faults", ()))
+        except (KeyError, TypeError, ValueError) as e:
+            raise CaseFormatError(f"case: malformed workload/schedule/faults ({type(e).__name__}: {e})") from None
+        case = cls(cfg, Workload(reqs), sched, faults)
+        case.validate()
+        return case
+
+    @classmethod
+    def from_json(cls, text: str) -> "Case":
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise CaseFormatError(f"not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+        return cls.from_dict(d)
+
+    def key(self) -> str:
+        return self.to_json()
+
+
+def reference_config(cfg: EngineConfig) -> EngineConfig:
+    """The oracle's config: same model, cache and budget; tp1pp1, eager, in-process."""
+    return cfg.replace(tensor_parallel_size=1, pipeline_parallel_size=1, sequence_parallel=False,
+                       broadcast_pp_output=False, cudagraph_mode="NONE", capture_sizes=(), world="inproc")

@@ -1,0 +1,143 @@
+"""Harness: run a Case on a reused engine, run its reference, check every property.
+
+Engines are expensive (threads or processes per rank, weight shards, KV cache, captured
+graphs), so one engine per config serves many Cases and resets between them; reset
+poisons buffers, so a Case's verdict never depends on the Cases before it. Reference runs
+are cached by (reference config, workload).
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.inproc_world import RankFailure
+from engine.kv_cache import KVAccountingError
+from engine.llm_engine import EngineInvariantError, LLMEngine, Trace
+from engine.schedule import Schedule
+from fuzz.case import Case, Workload, reference_config
+from fuzz.properties import (EngineViolation, LivenessViolation, LogitsReport, check_fa_records,
+                             check_logits)
+
+
+@dataclass(slots=True)
+class Verdict:
+    case: Case
+    logits: LogitsReport
+    fa_calls_checked: int
+    num_steps: int
+    num_preemptions: int
+    max_in_flight: int
+    seconds: float
+    engine_seconds: float
+
+
+class EnginePool:
+    """LRU of live engines keyed by config (schedule and faults are per Case)."""
+
+    def __init__(self, capacity: int = 8) -> None:
+        self.capacity = capacity
+        self.engines: OrderedDict[str, LLMEngine] = OrderedDict()
+
+    def get(self, cfg: EngineConfig) -> LLMEngine:
+        key = repr(cfg.to_dict())
+        eng = self.engines.pop(key, None)
+        if eng is None:
+            eng = LLMEngine(cfg, record_fa=True)
+            while len(self.engines) >= self.capacity:
+                _, old = self.engines.popitem(last=False)
+                old.shutdown()
+        self.engines[key] = eng
+        return eng
+
+    def discard(self, cfg: EngineConfig) -> None:
+        eng = self.engines.pop(repr(cfg.to_dict()), None)
+        if eng is not None:
+            eng.shutdown()
+
+    def close(self) -> None:
+        while self.engines:
+            self.engines.popitem()[1].shutdown()
+
+
+def max_steps_for(w: Workload) -> int:
+    """A generous bound on driver steps; a run past it is a liveness failure."""
+    return 64 + 4 * sum(len(r.prompt_token_ids) + r.max_tokens for r in w.requests) \
+        + max((r.arrival_step for r in w.requests), default=0)
+
+
+def drive(engine: LLMEngine, case: Case, schedule: Schedule, faults: tuple[str, ...],
+          forced: dict[str, list[int]] | None) -> Trace:
+    """Run the workload to completion on `engine` (arrivals by driver step)."""
+    engine.reset(schedule, faults)
+    pending = sorted(enumerate(case.workload.requests), key=lambda p: (p[1].arrival_step, p[0]))
+    step, limit = 0, max_steps_for(case.workload)
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][1].arrival_step <= step:
+            i, r = pending.pop(0)
+            rid = f"r{i}"
+            engine.add_request(rid, list(r.prompt_token_ids), r.max_tokens,
+                               forced.get(rid) if forced is not None else None)
+        if engine.has_unfinished_requests():
+            engine.step()
+        step += 1
+        if step > limit:
+            raise LivenessViolation(f"workload not finished after {limit} driver steps", case)
+    trace = engine.trace
+    trace.fa_records = engine.collect_fa_records()
+    return trace
+
+
+class Harness:
+    def __init__(self, pool_capacity: int = 8) -> None:
+        self.pool = EnginePool(pool_capacity)
+        self.ref_cache: OrderedDict[str, Trace] = OrderedDict()
+        self.engine_seconds = 0.0
+
+    def reference(self, case: Case) -> Trace:
+        cfg = reference_config(case.config)
+        key = repr(cfg.to_dict()) + Case(cfg, case.workload).to_json()
+        if key not in self.ref_cache:
+            ref_case = Case(cfg, case.workload)
+            self.ref_cache[key] = self._run(ref_case, None)
+            if len(self.ref_cache) > 256:
+                self.ref_cache.popitem(last=False)
+        return self.ref_cache[key]
+
+    def _run(self, case: Case, forced: dict[str, list[int]] | None) -> Trace:
+        cfg = case.config
+        t0 = time.perf_counter()
+        try:
+            return drive(self.pool.get(cfg), case, case.schedule, case.faults, forced)
+        except RankFailure as e:
+            self.pool.discard(cfg)
+            raise LivenessViolation(f"{e.kind} on rank(s) {e.ranks}: {e.detail}", case) from None
+        except (EngineInvariantError, KVAccountingError) as e:
+            self.pool.discard(cfg)
+            raise EngineViolation(str(e), case) from None
+        except LivenessViolation:
+            self.pool.discard(cfg)
+            raise
+        finally:
+            self.engine_seconds += time.perf_counter() - t0
+
+    def run_case(self, case: Case) -> Trace:
+        """The test run, teacher-forced with the reference's tokens."""
+        ref = self.reference(case)
+        return self._run(case, ref.output_token_ids())
+
+    def check(self, case: Case) -> Verdict:
+        """Run `case` and its reference; raise the first Violation, else return a Verdict."""
+        case.validate()
+        t0 = time.perf_counter()
+        e0 = self.engine_seconds
+        ref = self.reference(case)
+        test = self._run(case, ref.output_token_ids())
+        n_fa = check_fa_records(case, test.fa_records)
+        logits = check_logits(case, ref, test)
+        return Verdict(case, logits, n_fa, test.num_steps, test.num_preemptions, test.max_in_flight,
+                       time.perf_counter() - t0, self.engine_seconds - e0)
+
+    def close(self) -> None:
+        self.pool.close()
