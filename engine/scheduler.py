@@ -115,7 +115,7 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if n <= 0:
                 continue
-            new_blocks = self._allocate_or_preempt(req, req.num_computed_tokens + n)
+            new_blocks = self._allocate_or_preempt(req, req.num_computed_tokens + n, num_sched)
             if new_blocks is None:
                 continue
             num_sched[req.req_id] = n
@@ -157,12 +157,15 @@ class Scheduler:
         self._next_microbatch += 1
         return out
 
-    def _allocate_or_preempt(self, req: Request, total_tokens: int) -> list[int] | None:
+    def _allocate_or_preempt(self, req: Request, total_tokens: int,
+                             scheduled: dict[str, int]) -> list[int] | None:
         while True:
             blocks = self.kv.allocate_slots(req.req_id, total_tokens)
             if blocks is not None:
                 return blocks
-            victims = [r for r in self.running if not r.in_flight and r is not req]
+            # Never preempt a request already in this microbatch or in flight in another.
+            victims = [r for r in self.running
+                       if not r.in_flight and r is not req and r.req_id not in scheduled]
             if not victims:
                 return None
             self._preempt(victims[-1])

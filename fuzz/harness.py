@@ -17,7 +17,7 @@ from engine.kv_cache import KVAccountingError
 from engine.llm_engine import EngineInvariantError, LLMEngine, Trace
 from engine.schedule import Schedule
 from fuzz.case import Case, Workload, reference_config
-from fuzz.properties import (EngineViolation, LivenessViolation, LogitsReport, check_fa_records,
+from fuzz.properties import (CrashViolation, EngineViolation, LivenessViolation, LogitsReport, check_fa_records,
                              check_logits)
 
 
@@ -119,6 +119,9 @@ class Harness:
         except LivenessViolation:
             self.pool.discard(cfg)
             raise
+        except Exception as e:  # any other engine error is a crash, keyed by its signature
+            self.pool.discard(cfg)
+            raise CrashViolation(f"{type(e).__name__}: {e}", case) from e
         finally:
             self.engine_seconds += time.perf_counter() - t0
 

@@ -45,6 +45,12 @@ class DeterminismViolation(Violation):
     property = "determinism"
 
 
+class CrashViolation(Violation):
+    """The engine raised something that is not a property violation (a crash signature)."""
+
+    property = "crash"
+
+
 _EPS = {torch.float32: 2.0 ** -23, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7, torch.float64: 2.0 ** -52}
 
 

@@ -1,0 +1,199 @@
+"""Campaign: a time-budgeted Hypothesis run over Cases, with progress, stats and reproducers.
+
+Hypothesis runs in chunks of a few examples with fresh seeds until the budget is spent.
+A failure is shrunk by Hypothesis, written atomically as a reproducer, and the campaign
+goes on (or stops, with `stop_on_failure`, as selftest does).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+from hypothesis import given, seed as hseed, settings, target
+
+from fuzz.harness import Harness
+from fuzz.properties import Violation
+from fuzz.reproduce import write_reproducer
+from fuzz.shrink import minimize
+from fuzz.strategies import FUZZ_MODEL, cases
+
+
+@dataclass
+class CellStats:
+    examples: int = 0
+    seconds: float = 0.0
+    engine_seconds: float = 0.0
+    failures: int = 0
+
+
+@dataclass
+class Failure:
+    property: str
+    message: str
+    case_desc: str
+    path: str
+    error_ratio: float | None
+
+
+@dataclass
+class Summary:
+    examples: int = 0
+    seconds: float = 0.0
+    cells: dict = field(default_factory=dict)  # (layout, mode) -> CellStats
+    failures: list = field(default_factory=list)
+    interrupted: bool = False
+
+    def to_json(self) -> dict:
+        return {
+            "examples": self.examples, "failures": len(self.failures),
+            "layouts": sorted({k[0] for k in self.cells}), "modes": sorted({k[1] for k in self.cells}),
+            "seconds": round(self.seconds, 2), "reproducers": [f.path for f in self.failures],
+            "failure_details": [f.__dict__ for f in self.failures],
+            "per_cell": {f"{k[0]}/{k[1]}": {"examples": c.examples, "failures": c.failures,
+                                             "examples_per_s": round(c.examples / c.seconds, 2) if c.seconds else None}
+                         for k, c in sorted(self.cells.items())},
+            "interrupted": self.interrupted,
+        }
+
+    def table(self) -> str:
+        rows = [f"{'layout':<10}{'mode':<7}{'examples':>9}{'ex/s':>8}{'failures':>10}"]
+        for (lay, mode), c in sorted(self.cells.items()):
+            rate = f"{c.examples / c.seconds:.2f}" if c.seconds else "-"
+            rows.append(f"{lay:<10}{mode:<7}{c.examples:>9}{rate:>8}{c.failures:>10}")
+        rows.append(f"{'total':<17}{self.examples:>9}{self.examples / max(self.seconds, 1e-9):>8.2f}"
+                    f"{len(self.failures):>10}")
+        return "\n".join(rows)
+
+
+class Campaign:
+    def __init__(self, *, layouts, modes=("eager",), faults=(), seed: int = 0, out_dir: str = "reproducers",
+                 budget_s: float = 60.0, chunk: int = 8, stop_on_failure: bool = False,
+                 progress: bool = True, base=FUZZ_MODEL, max_requests: int = 10) -> None:
+        self.layouts, self.modes, self.faults = tuple(layouts), tuple(modes), tuple(faults)
+        self.seed, self.out_dir, self.budget_s, self.chunk = seed, out_dir, budget_s, chunk
+        self.stop_on_failure, self.progress = stop_on_failure, progress
+        self.base, self.max_requests = base, max_requests
+        self.summary = Summary()
+        self.harness = Harness()
+        self._last_print = 0.0
+
+    def _body(self, case) -> None:
+        if time.monotonic() > self._hard_deadline:
+            return  # out of time: stop shrinking; the smallest failure so far is kept below
+        t0 = time.perf_counter()
+        cell = self.summary.cells.setdefault((case.layout, case.mode), CellStats())
+        try:
+            v = self.harness.check(case)
+            target(min(v.logits.ratio, 1e6), label="error/tolerance")
+        except Violation as v:
+            self._on_failure(v)
+            raise
+        finally:
+            cell.examples += 1
+            cell.seconds += time.perf_counter() - t0
+            self.summary.examples += 1
+            self._print_progress()
+
+    def _on_failure(self, v: Violation) -> None:
+        """A failure is on disk the moment it is seen, before shrinking: nothing is lost if
+        the campaign is killed mid-shrink. Shrunk versions replace it."""
+        if self._first_path is None:
+            self._first_path = write_reproducer(self.out_dir, v.case, v.property, v.message, v.error_ratio)
+        self._smallest = v
+
+    def _print_progress(self, force: bool = False) -> None:
+        now = time.monotonic()
+        tty = sys.stderr.isatty()
+        if not self.progress or (not force and now - self._last_print < (1.0 if tty else 15.0)):
+            return
+        self._last_print = now
+        s, el = self.summary, now - self._t0
+        done = min(20, int(20 * el / self.budget_s)) if self.budget_s else 20
+        line = (f"[{'#' * done}{'.' * (20 - done)}] {el:5.0f}s/{self.budget_s:.0f}s "
+                f"{s.examples} examples ({s.examples / max(el, 1e-9):.2f}/s) "
+                f"layouts {len({k[0] for k in s.cells})}/{len(self.layouts)} failures {len(s.failures)}")
+        sys.stderr.write("\r" + line if tty else line + "\n")
+        sys.stderr.flush()
+
+    def _record(self, v: Violation) -> None:
+        """Finish a failure: simplify the layout and the rest further, write it, drop the
+        unshrunk file."""
+        if time.monotonic() < self._hard_deadline:
+            v = self._minimize(v)
+        case = v.case
+        path = write_reproducer(self.out_dir, case, v.property, v.message, v.error_ratio)
+        if self._first_path and self._first_path != path and os.path.exists(self._first_path):
+            os.unlink(self._first_path)
+        self._first_path, self._smallest = None, None
+        if not any(f.path == path for f in self.summary.failures):
+            self.summary.failures.append(Failure(v.property, v.message, case.describe(), path, v.error_ratio))
+            self.summary.cells.setdefault((case.layout, case.mode), CellStats()).failures += 1
+        if self.progress:
+            sys.stderr.write(f"\nFOUND {v.property}: {v.message}\n  {case.describe()}\n  -> {path}\n")
+
+    def _minimize(self, v: Violation) -> Violation:
+        """Hypothesis shrank within one layout; try simpler layouts and options too."""
+        best = {"v": v}
+
+        def still_fails(case) -> bool:
+            if time.monotonic() > self._hard_deadline:
+                return False
+            try:
+                self.harness.check(case)
+            except Violation as w:
+                if w.property == v.property:
+                    best["v"] = w
+                    return True
+            return False
+
+        minimize(v.case, still_fails, max_checks=80)
+        return best["v"]
+
+    def run(self) -> Summary:
+        self._t0 = time.monotonic()
+        deadline = self._t0 + self.budget_s
+        # Shrinking may run past the budget by a bounded grace, then stops with what it has.
+        self._hard_deadline = deadline + max(30.0, 0.5 * self.budget_s)
+        self._first_path, self._smallest = None, None
+        i = 0
+        try:
+            while time.monotonic() < deadline:
+                # One layout per chunk, round robin, so every layout is covered in any budget.
+                layout = self.layouts[i % len(self.layouts)]
+                strat = cases((layout,), self.modes, self.faults, self.base, self.max_requests)
+                test = settings(max_examples=self.chunk)(given(strat)(self._body))
+                test = hseed(self.seed * 100003 + i)(test)
+                i += 1
+                try:
+                    test()
+                except Violation as v:
+                    self._record(v)
+                except BaseExceptionGroup as g:  # several distinct failures in one chunk
+                    vs, rest = g.split(Violation)
+                    for v in (vs.exceptions if vs else ()):
+                        self._record(v)
+                    if rest:
+                        raise rest
+                except Exception:
+                    # Hypothesis gave up mid-shrink (our time limit makes late replays pass,
+                    # which it calls flaky): keep the smallest failure seen.
+                    if self._smallest is None:
+                        raise
+                    self._record(self._smallest)
+                if self._smallest is not None:
+                    self._record(self._smallest)
+                if self.stop_on_failure and self.summary.failures:
+                    break
+        except KeyboardInterrupt:
+            self.summary.interrupted = True
+            if self._smallest is not None:
+                self._record(self._smallest)
+        finally:
+            self.summary.seconds = time.monotonic() - self._t0
+            self._print_progress(force=True)
+            if self.progress:
+                sys.stderr.write("\n")
+            self.harness.close()
+        return self.summary

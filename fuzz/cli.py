@@ -1,0 +1,228 @@
+"""`llmfuzz`: run a campaign, replay or minimize a reproducer, list faults, generate a demo.
+
+Exit codes: 0 nothing failed (or a replayed case passes now), 1 a failure was found /
+reproduces, 2 bad input (one line on stderr naming the problem, before any rank starts).
+Torch is imported only by the commands that need it, so `llmfuzz --help` starts fast.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+EXIT_OK, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
+
+
+class BadInput(Exception):
+    """Reported as one line and exit code 2."""
+
+
+def _parse_layouts(text: str, base) -> list[str]:
+    from engine.config import ConfigError, layout_name, parse_layout
+
+    out = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        try:
+            tp, pp = parse_layout(item)
+            base.replace(tensor_parallel_size=tp, pipeline_parallel_size=pp)
+        except ConfigError as e:
+            raise BadInput(str(e)) from None
+        out.append(layout_name(tp, pp))
+    if not out:
+        raise BadInput("--layouts: empty list")
+    return out
+
+
+def _base_config(args):
+    from fuzz.strategies import FUZZ_MODEL
+
+    if args.device != "cpu":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise BadInput(f"--device {args.device}: CUDA is not available on this machine")
+    return FUZZ_MODEL.replace(device=args.device, world=args.world)
+
+
+def cmd_run(args) -> int:
+    from engine.faults import FAULTS
+    from fuzz.campaign import Campaign
+    from fuzz.strategies import DEFAULT_LAYOUTS, IMPLEMENTED_MODES
+
+    base = _base_config(args)
+    layouts = _parse_layouts(args.layouts, base) if args.layouts else list(DEFAULT_LAYOUTS)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for m in modes:
+        if m not in IMPLEMENTED_MODES:
+            raise BadInput(f"--modes: {m!r} is not one of {', '.join(IMPLEMENTED_MODES)}")
+    for f in args.fault:
+        if f not in FAULTS:
+            raise BadInput(f"--fault: unknown fault {f!r} (see `llmfuzz faults`)")
+    if args.budget <= 0:
+        raise BadInput(f"--budget: {args.budget} is not a positive number of seconds")
+    from fuzz import profiles
+
+    profiles.load(args.profile)
+    camp = Campaign(layouts=layouts, modes=modes, faults=tuple(args.fault), seed=args.seed,
+                    out_dir=args.out, budget_s=args.budget, stop_on_failure=bool(args.fault),
+                    progress=not args.json and not args.quiet, base=base)
+    summary = camp.run()
+    if args.json:
+        print(json.dumps(summary.to_json(), indent=1))
+    else:
+        print(summary.table())
+        for f in summary.failures:
+            print(f"\nFAILED {f.property}: {f.message}\n  case: {f.case_desc}\n"
+                  f"  Reproduce with: llmfuzz replay {f.path}")
+        if summary.interrupted:
+            print("(interrupted: summary so far)")
+    return EXIT_FAIL if summary.failures else EXIT_OK
+
+
+def _load(path: str):
+    from fuzz.case import CaseFormatError
+    from fuzz.reproduce import load_reproducer
+
+    try:
+        return load_reproducer(path)
+    except CaseFormatError as e:
+        raise BadInput(str(e)) from None
+
+
+def cmd_replay(args) -> int:
+    from fuzz.harness import Harness
+    from fuzz.properties import Violation
+    from fuzz.reproduce import replay_report
+
+    repro = _load(args.file)
+    h = Harness()
+    violation = None
+    try:
+        h.check(repro.case)
+    except Violation as v:
+        violation = v
+    finally:
+        h.close()
+    if args.json:
+        print(json.dumps({"file": args.file, "reproduces": violation is not None,
+                          "property": getattr(violation, "property", None),
+                          "message": str(violation) if violation else None,
+                          "recorded_property": repro.property}))
+    else:
+        print(replay_report(repro, violation))
+    return EXIT_FAIL if violation is not None else EXIT_OK
+
+
+def cmd_minimize(args) -> int:
+    from fuzz.harness import Harness
+    from fuzz.properties import Violation
+    from fuzz.reproduce import write_reproducer
+    from fuzz.shrink import minimize
+
+    repro = _load(args.file)
+    h = Harness()
+    last: dict = {}
+
+    def still_fails(case) -> bool:
+        try:
+            h.check(case)
+            return False
+        except Violation as v:
+            if v.property == repro.property:
+                last["v"] = v
+                return True
+            return False
+
+    try:
+        if not still_fails(repro.case):
+            print(f"{args.file}: does not fail with {repro.property} now; nothing to minimize")
+            return EXIT_OK
+        small, checks = minimize(repro.case, still_fails)
+        still_fails(small)
+    finally:
+        h.close()
+    v = last["v"]
+    path = write_reproducer(args.out, small, v.property, v.message, v.error_ratio)
+    print(f"minimized in {checks} checks: {small.describe()}\n  {v.property}: {v.message}\n  -> {path}")
+    return EXIT_FAIL
+
+
+def cmd_faults(args) -> int:
+    from engine.faults import FAULTS
+
+    if args.json:
+        print(json.dumps({n: {"doc": f.doc, "needs": f.needs} for n, f in FAULTS.items()}, indent=1))
+        return EXIT_OK
+    for name, f in FAULTS.items():
+        print(f"{name}\n    {f.doc}\n    needs: {f.needs or '-'}")
+    return EXIT_OK
+
+
+def cmd_generate(args) -> int:
+    """Run one demo workload and print what it generated (a smoke test of the engine)."""
+    import time
+
+    from engine.llm_engine import LLMEngine
+    from fuzz.strategies import FUZZ_MODEL, tokens_from_seed
+
+    cfg = FUZZ_MODEL.replace(layout=args.layout) if args.layout else FUZZ_MODEL
+    eng = LLMEngine(cfg)
+    for i in range(args.requests):
+        eng.add_request(f"r{i}", list(tokens_from_seed(i, 3 + 5 * i % 40, cfg.vocab_size)), 8)
+    t0 = time.perf_counter()
+    while eng.has_unfinished_requests():
+        eng.step()
+    dt = time.perf_counter() - t0
+    eng.shutdown()
+    out = {"layout": cfg.layout, "steps": eng.trace.num_steps, "seconds": round(dt, 3),
+           "outputs": eng.trace.output_token_ids()}
+    print(json.dumps(out) if args.json else "\n".join(f"{k}: {v}" for k, v in out.items()))
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="llmfuzz", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="fuzz for a time budget")
+    r.add_argument("--budget", type=float, default=60.0, help="seconds (default 60)")
+    r.add_argument("--layouts", default="", help="comma list, e.g. tp1pp1,tp2pp4,pp8 (default: all)")
+    r.add_argument("--modes", default="eager", help="comma list of modes (eager, graph)")
+    r.add_argument("--fault", action="append", default=[], help="switch a registry fault on (repeatable)")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--out", default="reproducers", help="reproducer directory (default reproducers/)")
+    r.add_argument("--device", default="cpu")
+    r.add_argument("--world", default="inproc", choices=("inproc", "torch"))
+    r.add_argument("--profile", default=None, help="Hypothesis profile: dev, ci, nightly, repro")
+    r.add_argument("--json", action="store_true", help="print the summary as JSON")
+    r.add_argument("--quiet", action="store_true", help="no progress bar")
+    r.set_defaults(fn=cmd_run)
+    rp = sub.add_parser("replay", help="re-run a reproducer: exit 1 if it still fails")
+    rp.add_argument("file")
+    rp.add_argument("--json", action="store_true")
+    rp.set_defaults(fn=cmd_replay)
+    mn = sub.add_parser("minimize", help="shrink a reproducer's Case further")
+    mn.add_argument("file")
+    mn.add_argument("--out", default="reproducers")
+    mn.set_defaults(fn=cmd_minimize)
+    f = sub.add_parser("faults", help="list the fault registry")
+    f.add_argument("--json", action="store_true")
+    f.set_defaults(fn=cmd_faults)
+    g = sub.add_parser("generate", help="run a demo workload on the reference engine")
+    g.add_argument("--layout", default="")
+    g.add_argument("--requests", type=int, default=8)
+    g.add_argument("--json", action="store_true")
+    g.set_defaults(fn=cmd_generate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except BadInput as e:
+        print(f"llmfuzz: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

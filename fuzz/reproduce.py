@@ -1,0 +1,110 @@
+"""Reproducers: a failing Case as one versioned JSON file, written atomically, replayed anywhere.
+
+Layout: `<out>/<property>/<id>.json`, id = a hash of the Case, so the same failure found
+twice lands in the same file. Loading never executes anything (JSON only).
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+
+from fuzz.case import Case, CaseFormatError
+
+REPRO_FORMAT = 1
+LLMFUZZ_VERSION = "0.1.0"
+
+
+@dataclass(slots=True)
+class Reproducer:
+    case: Case
+    property: str
+    message: str
+    error_ratio: float | None = None
+    path: str | None = None
+    meta: dict | None = None
+
+
+def case_id(case: Case) -> str:
+    return hashlib.sha256(case.to_json().encode()).hexdigest()[:12]
+
+
+def write_reproducer(out_dir: str, case: Case, prop: str, message: str,
+                     error_ratio: float | None = None) -> str:
+    """Write atomically (temp file + fsync + rename): a kill mid-write never leaves a
+    truncated reproducer behind."""
+    import torch
+
+    d = os.path.join(out_dir, prop)
+    os.makedirs(d, exist_ok=True)
+    path = os.path.join(d, f"{case_id(case)}.json")
+    ratio = None if error_ratio is None or error_ratio != error_ratio else error_ratio
+    doc = {
+        "format": REPRO_FORMAT, "llmfuzz_version": LLMFUZZ_VERSION, "torch_version": torch.__version__,
+        "device": case.config.device, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "property": prop, "message": message,
+        "error_ratio": ratio if ratio is None or ratio != float("inf") else "inf",
+        "case": case.to_dict(),
+    }
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def load_reproducer(path: str) -> Reproducer:
+    """Parse a reproducer; any problem is a CaseFormatError with one line naming it."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as e:
+        raise CaseFormatError(f"{path}: cannot read ({e.strerror})") from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CaseFormatError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); "
+                              "truncated?") from None
+    if not isinstance(doc, dict):
+        raise CaseFormatError(f"{path}: expected a JSON object")
+    fmt = doc.get("format")
+    if not isinstance(fmt, int):
+        raise CaseFormatError(f"{path}: 'format' missing or not an integer")
+    if fmt > REPRO_FORMAT:
+        raise CaseFormatError(f"{path}: reproducer format {fmt} is newer than this llmfuzz "
+                              f"understands ({REPRO_FORMAT}); upgrade llmfuzz")
+    if "case" not in doc:
+        raise CaseFormatError(f"{path}: 'case' missing")
+    try:
+        case = Case.from_dict(doc["case"])
+    except CaseFormatError as e:
+        raise CaseFormatError(f"{path}: {e}") from None
+    ratio = doc.get("error_ratio")
+    return Reproducer(case, str(doc.get("property", "unknown")), str(doc.get("message", "")),
+                      float(ratio) if isinstance(ratio, (int, float, str)) and ratio is not None else None,
+                      path, {k: v for k, v in doc.items() if k != "case"})
+
+
+def replay_report(repro: Reproducer, violation: Exception | None) -> str:
+    """cargo-fuzz style text for a replayed reproducer."""
+    p = repro.path or "FILE"
+    lines = [f"Failing case: {repro.case.describe()}", f"  file: {p}"]
+    if violation is None:
+        lines += ["What was violated: nothing now; the case passes "
+                  f"(recorded: {repro.property}: {repro.message})"]
+    else:
+        prop = getattr(violation, "property", type(violation).__name__)
+        lines += [f"What was violated: {prop}: {violation}"]
+    lines += [f"Reproduce with: llmfuzz replay {p}   (or: python reproducers/replay.py {p})",
+              f"Minimize with: llmfuzz minimize {p}"]
+    return "\n".join(lines)
