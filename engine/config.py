@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 _DTYPES = ("float32", "float16", "bfloat16", "float64")
 _BACKENDS = ("reference", "torch_flash", "flash_attn")
-_MODES = ("NONE", "FULL", "PIECEWISE")
+_MODES = ("NONE", "FULL")  # PIECEWISE (attention outside the graph) is not built
 _WORLDS = ("inproc", "torch")
 _LAYOUT_RE = re.compile(r"^(?:tp(\d+))?(?:pp(\d+))?$")
 
@@ -104,6 +104,10 @@ class EngineConfig:
             raise ConfigError(f"capture_sizes: sizes must be positive, got {self.capture_sizes}")
         if self.cudagraph_mode != "NONE" and not self.capture_sizes:
             raise ConfigError(f"capture_sizes: cudagraph_mode={self.cudagraph_mode} needs at least one size")
+        if self.cudagraph_mode != "NONE" and self.device.startswith("cuda") and self.world == "inproc" \
+                and self.tensor_parallel_size > 1:
+            # Host-side collectives between rank threads do not replay inside a CUDA graph.
+            raise ConfigError("cudagraph_mode: FULL graphs with tp > 1 on CUDA need world='torch' (NCCL)")
         self._check_layout()
 
     def _check_layout(self) -> None:

@@ -55,6 +55,14 @@ class _InProcChannel(Channel):
 class InProcExecutor:
     def __init__(self, cfg: EngineConfig, record_fa: bool = False) -> None:
         self.cfg = cfg
+        if cfg.device == "cpu":
+            # Rank threads share the process: OpenMP pools per calling thread oversubscribe a
+            # small machine and spin at barriers (measured: a 32 ms graph replay took 2.9 s
+            # with 2 intra-op threads beside other busy processes). Tiny models gain nothing
+            # from intra-op parallelism.
+            import torch
+
+            torch.set_num_threads(1)
         self.world = InProcWorld(cfg.world_size, cfg.step_timeout_s)
         self.results: dict[tuple, dict[int, object]] = {}
         self.channels = [_InProcChannel(self, r) for r in range(cfg.world_size)]

@@ -23,6 +23,11 @@ def register(name: str, doc: str, needs: str = "") -> None:
     FAULTS[name] = Fault(name, doc, needs)
 
 
+register("graph_stale_max_seqlen",
+         "Field notes 1 and 12: the graph bakes max_seqlen_q / max_seqlen_k of the batch that "
+         "triggered its capture instead of bounds valid for every batch of that size, so a "
+         "replay with a longer query leaves rows uncomputed (NaN here, garbage on a GPU).",
+         needs="graph mode and a later batch with a longer query at the same captured size")
 register("pp_shared_staging_buffer",
          "Field note 2: with PP microbatches in flight, the host staging buffer of the next "
          "microbatch is written before the previous microbatch's non_blocking copy landed, so "

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import EngineConfig
+from engine.custom_ops import tp_all_gather, tp_all_reduce, tp_reduce_scatter
 from engine.parallel_state import RankGroups
 from engine.weights import layer_names
 
@@ -44,6 +45,21 @@ class IntermediateTensors:
 
     def to_dict(self) -> dict:
         return {"hidden_states": self.hidden_states, "residual": self.residual}
+
+
+ROW_TILE = 16
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T computed in fixed tiles of ROW_TILE rows, so a row's result never depends on
+    how many other rows share the batch: graph padding and batch mixes stay bitwise equal
+    (a plain GEMM picks its blocking from the row count, which changes low bits)."""
+    n = x.shape[0]
+    pad = -n % ROW_TILE
+    if pad:
+        x = F.pad(x, (0, 0, 0, pad))
+    out = torch.matmul(x.view(-1, ROW_TILE, x.shape[-1]), w.t())
+    return out.reshape(n + pad, w.shape[0])[:n]
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -86,12 +102,12 @@ class LlamaLayer:
         self.ln2 = sd[n["post_attention_layernorm.weight"]]
 
     def _gather_seq(self, x: torch.Tensor) -> torch.Tensor:
-        return self.g.tp.all_gather(x, dim=0) if self.cfg.sequence_parallel else x
+        return tp_all_gather(self.g.tp, x, 0) if self.cfg.sequence_parallel else x
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.cfg.sequence_parallel:
-            return self.g.tp.reduce_scatter(x, dim=0)
-        return self.g.tp.all_reduce(x)
+            return tp_reduce_scatter(self.g.tp, x, 0)
+        return tp_all_reduce(self.g.tp, x)
 
     def forward(self, positions, hidden, residual, cos, sin, attn) -> tuple[torch.Tensor, torch.Tensor]:
         eps, D = self.cfg.rms_norm_eps, self.cfg.head_dim
@@ -99,15 +115,15 @@ class LlamaLayer:
         residual = hidden if residual is None else hidden + residual
         x = self._gather_seq(rms_norm(residual, self.ln1, eps))
         T = x.shape[0]
-        q = F.linear(x, self.wq).view(T, self.num_heads, D)
-        k = F.linear(x, self.wk).view(T, self.num_kv_heads, D)
-        v = F.linear(x, self.wv).view(T, self.num_kv_heads, D)
+        q = linear(x, self.wq).view(T, self.num_heads, D)
+        k = linear(x, self.wk).view(T, self.num_kv_heads, D)
+        v = linear(x, self.wv).view(T, self.num_kv_heads, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = attn(self.idx, q, k, v)
-        hidden = self._reduce(F.linear(o.reshape(T, self.num_heads * D), self.wo))
+        hidden = self._reduce(linear(o.reshape(T, self.num_heads * D), self.wo))
         residual = hidden + residual
         x = self._gather_seq(rms_norm(residual, self.ln2, eps))
-        mlp = F.linear(F.silu(F.linear(x, self.wgate)) * F.linear(x, self.wup), self.wdown)
+        mlp = linear(F.silu(linear(x, self.wgate)) * linear(x, self.wup), self.wdown)
         return self._reduce(mlp), residual
 
 
@@ -150,7 +166,7 @@ class LlamaForCausalLM:
         local = input_ids - self.vocab_start
         mine = (local >= 0) & (local < vshard)
         out = F.embedding(local.clamp(0, vshard - 1), self.embed) * mine[:, None].to(self.embed.dtype)
-        return self.g.tp.all_reduce(out)
+        return tp_all_reduce(self.g.tp, out)
 
     def scatter_seq(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a sequence-parallel residual (token count padded to tp)."""
@@ -170,12 +186,12 @@ class LlamaForCausalLM:
             hidden, residual = layer.forward(positions, hidden, residual, cos, sin, attn)
         if not self.is_last:
             if self.cfg.sequence_parallel:
-                hidden = self.g.tp.all_gather(hidden, dim=0)
+                hidden = tp_all_gather(self.g.tp, hidden, 0)
             return IntermediateTensors(hidden, residual)
         out = rms_norm(hidden + residual, self.norm, self.cfg.rms_norm_eps)
         if self.cfg.sequence_parallel:
-            out = self.g.tp.all_gather(out, dim=0)
+            out = tp_all_gather(self.g.tp, out, 0)
         return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.g.tp.all_gather(F.linear(hidden, self.lm_head), dim=-1)
+        return tp_all_gather(self.g.tp, linear(hidden, self.lm_head), -1)

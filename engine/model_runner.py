@@ -14,8 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from engine.async_copy import AsyncCopier, CopyHandle
-from engine.attention.metadata import AttentionContext, AttentionMetadataBuilder
+from engine.attention.metadata import AttentionContext, AttentionMetadataBuilder, CommonAttentionMetadata
 from engine.config import EngineConfig
+from engine.cuda_graph import BatchDescriptor, CudagraphDispatcher, GraphStore
+from engine.custom_ops import AttentionSink, register_sink
 from engine.faults import FaultSet
 from engine.input_batch import POISON_INT, CachedRequestState, CpuGpuBuffer, InputBatch
 from engine.model import IntermediateTensors, LlamaForCausalLM
@@ -41,6 +43,8 @@ class PreparedBatch:
     num_reqs: int
     num_actual_tokens: int
     num_padded_tokens: int
+    num_reqs_padded: int
+    graph: BatchDescriptor | None  # replay this captured size; None = eager
     max_query_len: int
     max_seq_len: int
     logits_indices: torch.Tensor
@@ -74,6 +78,12 @@ class GPUModelRunner:
                                      for k in ("hidden_states", "residual")}
         self.builder = AttentionMetadataBuilder()
         self.fa_records: list | None = [] if record_fa else None
+        self.sink = AttentionSink(groups.rank, self.fa_records, key_len_pad=cfg.max_model_len)
+        self.sink_key = register_sink(self.sink)
+        self.dispatcher = CudagraphDispatcher(
+            cfg.capture_sizes if cfg.cudagraph_mode == "FULL" else (), R,
+            multiple_of=cfg.tp if cfg.sequence_parallel else 1)
+        self.graphs = GraphStore(dev)
         self._staging_copies: list[CopyHandle] = []
         self.scale = cfg.head_dim ** -0.5
 
@@ -130,6 +140,10 @@ class GPUModelRunner:
         nc = torch.tensor(ib.num_computed_tokens[:R], dtype=torch.int64)
         T = int(ns.sum())
         T_pad = -(-T // self.cfg.tp) * self.cfg.tp if self.cfg.sequence_parallel else T
+        desc = self.dispatcher.dispatch(T_pad, R)
+        R_pad = R
+        if desc is not None:  # pad to the captured shape
+            T_pad, R_pad = desc.num_tokens, desc.num_reqs
         cu = torch.zeros(R + 1, dtype=torch.int64)
         cu[1:] = torch.cumsum(ns, 0)
         req_idx = torch.repeat_interleave(torch.arange(R), ns)
@@ -151,14 +165,20 @@ class GPUModelRunner:
         self.slot_mapping.cpu[T:T_pad] = -1
         self.query_start_loc.cpu[:R + 1] = cu.to(torch.int32)
         self.seq_lens.cpu[:R] = seq_lens.to(torch.int32)
+        # Graph padding (vLLM's rules): query_start_loc's tail repeats the last offset,
+        # padded seq_lens are 0, padded block-table rows point at the null block 0.
+        self.query_start_loc.cpu[R + 1:R_pad + 1] = T
+        self.seq_lens.cpu[R:R_pad] = 0
+        ib.block_table.table[R:R_pad] = 0
         cp = self.copier
         self._staging_copies = [
             self.input_ids.copy_to_gpu(cp, T_pad), self.positions.copy_to_gpu(cp, T_pad),
-            self.slot_mapping.copy_to_gpu(cp, T_pad), self.query_start_loc.copy_to_gpu(cp, R + 1),
-            self.seq_lens.copy_to_gpu(cp, R), cp.copy(self.block_table[:R], bt)]
+            self.slot_mapping.copy_to_gpu(cp, T_pad), self.query_start_loc.copy_to_gpu(cp, R_pad + 1),
+            self.seq_lens.copy_to_gpu(cp, R_pad), cp.copy(self.block_table[:R_pad], ib.block_table.table[:R_pad])]
         cp.launch(so.microbatch)
         return PreparedBatch(
             microbatch=so.microbatch, num_reqs=R, num_actual_tokens=T, num_padded_tokens=T_pad,
+            num_reqs_padded=R_pad, graph=desc,
             max_query_len=int(ns.max()), max_seq_len=int(seq_lens.max()),
             logits_indices=(cu[1:][samples] - 1).to(self.cfg.device), sample_req_ids=sample_req_ids,
             num_tokens={ib.req_ids[i]: ib.num_tokens[i] for i in samples.tolist()})
@@ -178,25 +198,77 @@ class GPUModelRunner:
             out[k] = self.intermediate_tensors[k][:rows]
         return IntermediateTensors(out["hidden_states"], out["residual"])
 
+    def _forward(self, md: CommonAttentionMetadata, input_ids, positions, hidden, residual):
+        """The model on the static buffers: the function eager mode calls and graphs capture."""
+        m = self.model
+        attn = AttentionContext(md, self.kv_caches, self.scale, self.sink_key)
+        inter = None if m.is_first else IntermediateTensors(hidden, residual)
+        out = m.forward(input_ids, positions, inter, attn)
+        return (out.hidden_states, out.residual) if not m.is_last else out
+
+    def _run_graph(self, pb: PreparedBatch, hidden, residual):
+        desc, cfg = pb.graph, self.cfg
+        T, R = desc.num_tokens, desc.num_reqs
+        bufs = [self.query_start_loc.gpu[:R + 1], self.seq_lens.gpu[:R], self.block_table[:R],
+                self.slot_mapping.gpu[:T], self.input_ids.gpu[:T], self.positions.gpu[:T],
+                hidden, residual]
+        if self.faults.on("graph_stale_max_seqlen"):
+            # Field note 1: the scalars of the batch that happened to trigger the capture.
+            baked = (pb.max_query_len, pb.max_seq_len)
+        else:
+            d = self.builder.build_for_cudagraph_capture(
+                query_start_loc=bufs[0], seq_lens=bufs[1], block_table=bufs[2], slot_mapping=bufs[3],
+                num_tokens=T, num_reqs=R, max_model_len=cfg.max_model_len)
+            baked = (d.max_query_len, d.max_seq_len)
+
+        def fn(qsl, sl, bt, sm, ids, pos, h, r):
+            md = CommonAttentionMetadata(qsl, sl, bt, sm, R, T, baked[0], baked[1])
+            return self._forward(md, ids, pos, h, r)
+
+        records, self.sink.records = self.sink.records, None  # capture runs are not calls
+        try:
+            graph = self.graphs.get_or_capture(desc, fn, bufs)
+        finally:
+            self.sink.records = records
+        if cfg.device.startswith("cuda") and records is not None:
+            # Host code inside the graph does not replay: record the host-side metadata.
+            self._record_host(pb, baked, T, R)
+        return graph(*bufs)
+
+    def _record_host(self, pb: PreparedBatch, baked, T: int, R: int) -> None:
+        from engine.custom_ops import _record
+
+        q = torch.empty(T, self.model.layers[self.model.start].num_heads, self.cfg.head_dim,
+                        dtype=self.cfg.torch_dtype(), device="meta")
+        for layer, (k_cache, _) in self.kv_caches.items():
+            self.sink.records.append(_record(
+                self.sink, layer, q, k_cache, self.query_start_loc.cpu[:R + 1], self.seq_lens.cpu[:R],
+                self.input_batch.block_table.table[:R], self.slot_mapping.cpu[:T], baked[0], baked[1]))
+
     def execute(self, pb: PreparedBatch) -> ModelRunnerOutput | None:
         g, cfg, m = self.g, self.cfg, self.model
         self.copier.start_compute(pb.microbatch)
+        sink = self.sink
+        sink.microbatch, sink.graph = pb.microbatch, pb.graph is not None
+        sink.num_reqs, sink.num_actual_tokens = pb.num_reqs, pb.num_actual_tokens
         try:
-            R, T = pb.num_reqs, pb.num_padded_tokens
-            md = self.builder.build(
-                query_start_loc=self.query_start_loc.gpu[:R + 1], seq_lens=self.seq_lens.gpu[:R],
-                block_table=self.block_table[:R], slot_mapping=self.slot_mapping.gpu[:T],
-                num_reqs=R, num_actual_tokens=pb.num_actual_tokens,
-                max_query_len=pb.max_query_len, max_seq_len=pb.max_seq_len)
-            attn = AttentionContext(md, self.kv_caches, self.scale, rank=g.rank,
-                                    microbatch=pb.microbatch, records=self.fa_records)
-            inter = None
+            R, T = pb.num_reqs_padded, pb.num_padded_tokens
+            hidden = residual = None
             if not m.is_first:
                 recv = g.pp.recv_tensor_dict(all_gather_group=g.tp)
                 inter = self.sync_and_slice_intermediate_tensors(recv, T)
-            out = m.forward(self.input_ids.gpu[:T], self.positions.gpu[:T], inter, attn)
+                hidden, residual = inter.hidden_states, inter.residual
+            if pb.graph is not None:
+                out = self._run_graph(pb, hidden, residual)
+            else:
+                md = self.builder.build(
+                    query_start_loc=self.query_start_loc.gpu[:R + 1], seq_lens=self.seq_lens.gpu[:R],
+                    block_table=self.block_table[:R], slot_mapping=self.slot_mapping.gpu[:T],
+                    num_reqs=pb.num_reqs, num_actual_tokens=pb.num_actual_tokens,
+                    max_query_len=pb.max_query_len, max_seq_len=pb.max_seq_len)
+                out = self._forward(md, self.input_ids.gpu[:T], self.positions.gpu[:T], hidden, residual)
             if not m.is_last:
-                g.pp.send_tensor_dict(out.to_dict(), all_gather_group=g.tp,
+                g.pp.send_tensor_dict({"hidden_states": out[0], "residual": out[1]}, all_gather_group=g.tp,
                                       scattered=("residual",) if cfg.sequence_parallel else ())
                 logits = None
             else:

@@ -30,6 +30,9 @@ class GroupCoordinator(abc.ABC):
         self.rank_in_group = self.ranks.index(rank)
         self.world_size = len(self.ranks)
         self.name = name
+        from engine.custom_ops import register_group
+
+        self.op_key = register_group(self)  # how graph-capturable custom ops find this group
 
     # -- primitives a world implements -------------------------------------------------
     @abc.abstractmethod

@@ -7,11 +7,11 @@ snapshots what the kernel was handed.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from engine.attention.reference import reshape_and_cache, varlen_attention
+import engine.custom_ops  # noqa: F401  (registers torch.ops.llmfuzz.*)
 
 
 @dataclass(slots=True)
@@ -57,6 +57,18 @@ class FACallRecord:
 class AttentionMetadataBuilder:
     """Builds the step's metadata from the runner's persistent device buffers."""
 
+    def build_for_cudagraph_capture(self, *, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                                    block_table: torch.Tensor, slot_mapping: torch.Tensor,
+                                    num_tokens: int, num_reqs: int, max_model_len: int) -> CommonAttentionMetadata:
+        """Metadata a graph is captured with. Its scalars are baked into the graph, so they
+        must hold for every batch later replayed at this size: max_query_len is the padded
+        token count (no query can be longer) and max_seq_len is max_model_len. The tensors
+        are the static buffers themselves, read afresh at every replay."""
+        return CommonAttentionMetadata(
+            query_start_loc=query_start_loc, seq_lens=seq_lens, block_table_tensor=block_table,
+            slot_mapping=slot_mapping, num_reqs=num_reqs, num_actual_tokens=num_tokens,
+            max_query_len=num_tokens, max_seq_len=max_model_len)
+
     def build(self, *, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
               block_table: torch.Tensor, slot_mapping: torch.Tensor, num_reqs: int,
               num_actual_tokens: int, max_query_len: int, max_seq_len: int) -> CommonAttentionMetadata:
@@ -66,40 +78,19 @@ class AttentionMetadataBuilder:
             max_query_len=max_query_len, max_seq_len=max_seq_len)
 
 
-@dataclass
+@dataclass(slots=True)
 class AttentionContext:
-    """Callable handed to the model for one forward: writes KV, runs the backend, records."""
+    """Callable handed to the model for one forward: every layer's attention goes through
+    the `llmfuzz::unified_attention` op (KV write, record, backend), eager and graph alike."""
 
     md: CommonAttentionMetadata
     kv_caches: dict[int, tuple[torch.Tensor, torch.Tensor]]
     scale: float
-    rank: int = 0
-    microbatch: int = 0
-    graph: bool = False
-    tile_q: int | None = None
-    records: list | None = None  # append FACallRecords here when not None
-    _snapshot: tuple | None = field(default=None, repr=False)
+    sink: int = 0  # engine.custom_ops.SINKS key of the runner (records, live batch)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         md = self.md
         k_cache, v_cache = self.kv_caches[layer]
-        reshape_and_cache(k, v, k_cache, v_cache, md.slot_mapping)
-        if self.records is not None:
-            self.records.append(self._record(layer, q, k_cache))
-        return varlen_attention(q, k_cache, v_cache, md.query_start_loc, md.max_query_len,
-                                md.seq_lens, md.max_seq_len, md.block_table_tensor, self.scale,
-                                causal=md.causal, tile_q=self.tile_q)
-
-    def _record(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor) -> FACallRecord:
-        md = self.md
-        if self._snapshot is None:  # one copy per forward, shared by its layers' records
-            self._snapshot = tuple(t.detach().to("cpu", copy=True) for t in (
-                md.query_start_loc, md.seq_lens, md.block_table_tensor, md.slot_mapping))
-        cu, sl, bt, sm = self._snapshot
-        return FACallRecord(
-            rank=self.rank, layer=layer, microbatch=self.microbatch, graph=self.graph,
-            q_shape=tuple(q.shape), q_stride=tuple(q.stride()), kv_shape=tuple(k_cache.shape),
-            kv_stride=tuple(k_cache.stride()), dtype=str(q.dtype).removeprefix("torch."),
-            device=str(q.device), max_seqlen_q=int(md.max_query_len), max_seqlen_k=int(md.max_seq_len),
-            num_reqs=md.num_reqs, num_actual_tokens=md.num_actual_tokens, cu_seqlens_q=cu,
-            seqused_k=sl, block_table=bt, slot_mapping=sm, causal=md.causal)
+        return torch.ops.llmfuzz.unified_attention(
+            q, k, v, k_cache, v_cache, md.query_start_loc, md.seq_lens, md.block_table_tensor,
+            md.slot_mapping, int(md.max_query_len), int(md.max_seq_len), self.scale, self.sink, layer)

@@ -32,8 +32,13 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
 def varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      cu_seqlens_q: torch.Tensor, max_seqlen_q: int, seqused_k: torch.Tensor,
                      max_seqlen_k: int, block_table: torch.Tensor, softmax_scale: float,
-                     causal: bool = True, tile_q: int | None = None) -> torch.Tensor:
-    """q: [T, Hq, D]; caches: [num_blocks, block_size, Hkv, D]; returns [T, Hq, D]."""
+                     causal: bool = True, tile_q: int | None = None,
+                     key_len_pad: int | None = None) -> torch.Tensor:
+    """q: [T, Hq, D]; caches: [num_blocks, block_size, Hkv, D]; returns [T, Hq, D].
+
+    Work shapes are padded (query rows to a multiple of 16, keys to `key_len_pad`) so a
+    row's result does not depend on the batch's other sequences or on the scalars beyond
+    what they include: eager and padded graph runs agree bitwise."""
     T, Hq, D = q.shape
     bs, Hkv = k_cache.shape[1], k_cache.shape[2]
     out = torch.full_like(q, float("nan"))
@@ -45,18 +50,20 @@ def varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     q_lens = cu[1:] - cu[:-1]
     k_lens = seqused_k[:B].to(dev, torch.long)
     rows = max_seqlen_q if tile_q is None else -(-max_seqlen_q // tile_q) * tile_q
-    Lq, Lk = int(rows), int(max_seqlen_k)
+    Lq_valid, Lk_valid = int(rows), int(max_seqlen_k)
+    Lq = -(-Lq_valid // 16) * 16
+    Lk = max(Lk_valid, key_len_pad or 0)
 
     # Query rows the kernel computes: j < min(q_len, rows) of each sequence.
     j = torch.arange(Lq, device=dev)
-    q_valid = j[None, :] < torch.clamp(q_lens, max=Lq)[:, None]  # [B, Lq]
+    q_valid = j[None, :] < torch.clamp(q_lens, max=Lq_valid)[:, None]  # [B, Lq]
     q_idx = torch.where(q_valid, cu[:-1, None] + j[None, :], torch.zeros_like(j)[None, :])
     q_idx = q_idx.clamp(0, max(T - 1, 0))
     qb = q[q_idx]  # [B, Lq, Hq, D]
 
     # Keys the kernel reads: p < min(seqused_k, max_seqlen_k), fetched page by page.
     p = torch.arange(Lk, device=dev)
-    k_valid = p[None, :] < torch.clamp(k_lens, max=Lk)[:, None]  # [B, Lk]
+    k_valid = p[None, :] < torch.clamp(k_lens, max=Lk_valid)[:, None]  # [B, Lk]
     col = (p // bs).clamp(max=block_table.shape[1] - 1)
     blocks = block_table[:B].to(dev, torch.long)[:, col]  # [B, Lk]
     blocks = torch.where(k_valid, blocks, torch.zeros_like(blocks))

@@ -1,0 +1,144 @@
+"""Attention, KV writes and collectives as `torch.library.custom_op`s.
+
+A captured graph (make_fx on CPU) must still run these at replay: attention so its
+FA call is recorded with the scalars the graph baked in, collectives so ranks meet.
+Groups and attention sinks are found through registries keyed by ints, because a custom
+op takes only tensors and scalars. Eager mode goes through the same ops, so graph and
+eager share one code path.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.attention.reference import reshape_and_cache, varlen_attention
+
+_keys = itertools.count(1)
+GROUPS: dict[int, object] = {}  # registry: key -> GroupCoordinator
+SINKS: dict[int, "AttentionSink"] = {}  # registry: key -> a runner's recording state
+
+
+def register_group(group) -> int:
+    key = next(_keys)
+    GROUPS[key] = group
+    return key
+
+
+@dataclass
+class AttentionSink:
+    """Per-runner state the attention op reads at call time (host side, not baked)."""
+
+    rank: int
+    records: list | None = None
+    microbatch: int = 0
+    graph: bool = False
+    num_reqs: int = 0  # live (unpadded) batch, for the invariant check
+    num_actual_tokens: int = 0
+    tile_q: int | None = None
+    key_len_pad: int | None = None  # pad key work shapes to this (max_model_len): bitwise modes
+    _snap: tuple | None = field(default=None, repr=False)
+    _snap_mb: int = -1
+
+    def reset_snapshot(self) -> None:
+        self._snap, self._snap_mb = None, -1
+
+
+def register_sink(sink: AttentionSink) -> int:
+    key = next(_keys)
+    SINKS[key] = sink
+    return key
+
+
+def unregister(*keys: int) -> None:
+    for k in keys:
+        GROUPS.pop(k, None)
+        SINKS.pop(k, None)
+
+
+def tp_all_reduce(group, t: torch.Tensor) -> torch.Tensor:
+    return t if group.world_size == 1 else torch.ops.llmfuzz.all_reduce(t, group.op_key)
+
+
+def tp_all_gather(group, t: torch.Tensor, dim: int) -> torch.Tensor:
+    if group.world_size == 1:
+        return t
+    return torch.ops.llmfuzz.all_gather(t, group.op_key, dim % t.dim(), group.world_size)
+
+
+def tp_reduce_scatter(group, t: torch.Tensor, dim: int) -> torch.Tensor:
+    if group.world_size == 1:
+        return t
+    return torch.ops.llmfuzz.reduce_scatter(t, group.op_key, dim % t.dim(), group.world_size)
+
+
+@torch.library.custom_op("llmfuzz::all_reduce", mutates_args=())
+def all_reduce(t: torch.Tensor, group: int) -> torch.Tensor:
+    return GROUPS[group].all_reduce(t)
+
+
+@all_reduce.register_fake
+def _(t, group):
+    return torch.empty_like(t)
+
+
+@torch.library.custom_op("llmfuzz::all_gather", mutates_args=())
+def all_gather(t: torch.Tensor, group: int, dim: int, world_size: int) -> torch.Tensor:
+    return GROUPS[group].all_gather(t, dim=dim)
+
+
+@all_gather.register_fake
+def _(t, group, dim, world_size):
+    shape = list(t.shape)
+    shape[dim] *= world_size
+    return t.new_empty(shape)
+
+
+@torch.library.custom_op("llmfuzz::reduce_scatter", mutates_args=())
+def reduce_scatter(t: torch.Tensor, group: int, dim: int, world_size: int) -> torch.Tensor:
+    return GROUPS[group].reduce_scatter(t, dim=dim).clone()
+
+
+@reduce_scatter.register_fake
+def _(t, group, dim, world_size):
+    shape = list(t.shape)
+    shape[dim] //= world_size
+    return t.new_empty(shape)
+
+
+@torch.library.custom_op("llmfuzz::unified_attention", mutates_args=("k_cache", "v_cache"))
+def unified_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                      block_table: torch.Tensor, slot_mapping: torch.Tensor, max_seqlen_q: int,
+                      max_seqlen_k: int, scale: float, sink: int, layer: int) -> torch.Tensor:
+    reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+    s = SINKS.get(sink)
+    if s is not None and s.records is not None:
+        s.records.append(_record(s, layer, q, k_cache, query_start_loc, seq_lens, block_table,
+                                 slot_mapping, max_seqlen_q, max_seqlen_k))
+    return varlen_attention(q, k_cache, v_cache, query_start_loc, max_seqlen_q, seq_lens, max_seqlen_k,
+                            block_table, scale, causal=True, tile_q=s.tile_q if s is not None else None,
+                            key_len_pad=s.key_len_pad if s is not None else None)
+
+
+@unified_attention.register_fake
+def _(q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping,
+      max_seqlen_q, max_seqlen_k, scale, sink, layer):
+    return torch.empty_like(q)
+
+
+def _record(s: AttentionSink, layer, q, k_cache, qsl, seq_lens, bt, sm, max_q, max_k):
+    from engine.attention.metadata import FACallRecord
+
+    if s._snap_mb != s.microbatch or s._snap is None:
+        # One snapshot per forward: every layer of a rank reads the same metadata buffers.
+        s._snap = tuple(t.detach().to("cpu", copy=True) for t in (qsl, seq_lens, bt, sm))
+        s._snap_mb = s.microbatch
+    cu, sl, btc, smc = s._snap
+    return FACallRecord(
+        rank=s.rank, layer=layer, microbatch=s.microbatch, graph=s.graph, q_shape=tuple(q.shape),
+        q_stride=tuple(q.stride()), kv_shape=tuple(k_cache.shape), kv_stride=tuple(k_cache.stride()),
+        dtype=str(q.dtype).removeprefix("torch."), device=str(q.device), max_seqlen_q=int(max_q),
+        max_seqlen_k=int(max_k), num_reqs=s.num_reqs, num_actual_tokens=s.num_actual_tokens,
+        cu_seqlens_q=cu, seqused_k=sl, block_table=btc, slot_mapping=smc)
