@@ -38,11 +38,10 @@ class AttentionSink:
     num_actual_tokens: int = 0
     tile_q: int | None = None
     key_len_pad: int | None = None  # pad key work shapes to this (max_model_len): bitwise modes
-    _snap: tuple | None = field(default=None, repr=False)
-    _snap_mb: int = -1
+    _snap: tuple | None = field(default=None, repr=False)  # this forward's metadata copy
 
     def reset_snapshot(self) -> None:
-        self._snap, self._snap_mb = None, -1
+        self._snap = None
 
 
 def register_sink(sink: AttentionSink) -> int:
@@ -131,10 +130,9 @@ def _(q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_ma
 def _record(s: AttentionSink, layer, q, k_cache, qsl, seq_lens, bt, sm, max_q, max_k):
     from engine.attention.metadata import FACallRecord
 
-    if s._snap_mb != s.microbatch or s._snap is None:
+    if s._snap is None:
         # One snapshot per forward: every layer of a rank reads the same metadata buffers.
         s._snap = tuple(t.detach().to("cpu", copy=True) for t in (qsl, seq_lens, bt, sm))
-        s._snap_mb = s.microbatch
     cu, sl, btc, smc = s._snap
     return FACallRecord(
         rank=s.rank, layer=layer, microbatch=s.microbatch, graph=s.graph, q_shape=tuple(q.shape),

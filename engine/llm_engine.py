@@ -54,9 +54,15 @@ class LLMEngine:
         self.output_rank = (cfg.pp - 1) * cfg.tp  # last stage, tp rank 0
         self.reset()
 
-    def reset(self, schedule: Schedule | None = None, faults: tuple[str, ...] = ()) -> None:
-        """Forget every request; ranks poison their buffers and KV cache."""
-        self.scheduler = Scheduler(self.cfg)
+    def reset(self, schedule: Schedule | None = None, faults: tuple[str, ...] = (),
+              scheduler_config: EngineConfig | None = None) -> None:
+        """Forget every request; ranks poison their buffers and KV cache. A scheduler_config
+        may lower the token budget and the KV block count below what the ranks were built
+        for (so one engine serves Cases that differ only in scheduling limits)."""
+        sc = scheduler_config or self.cfg
+        if sc.max_num_batched_tokens > self.cfg.max_num_batched_tokens or sc.num_gpu_blocks > self.cfg.num_gpu_blocks:
+            raise ConfigError("scheduler_config: budget or KV blocks exceed what the engine was built with")
+        self.scheduler = Scheduler(sc)
         self.in_flight: deque[tuple[SchedulerOutput, set[str]]] = deque()
         self.trace = Trace()
         self.step_count = 0

@@ -50,16 +50,24 @@ class IntermediateTensors:
 ROW_TILE = 16
 
 
+def accum_dtype(dtype: str) -> torch.dtype:
+    return torch.float64 if dtype in ("float32", "float64") else torch.float32
+
+
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w.T computed in fixed tiles of ROW_TILE rows, so a row's result never depends on
-    how many other rows share the batch: graph padding and batch mixes stay bitwise equal
-    (a plain GEMM picks its blocking from the row count, which changes low bits)."""
-    n = x.shape[0]
+    """x @ w.T in w's (wider) dtype, rounded once to x's dtype at the end.
+
+    Rows go in fixed tiles of ROW_TILE, so a row's result never depends on how many rows
+    share the batch (a plain GEMM picks its blocking from the row count, which changes low
+    bits): graph padding and batch mixes stay bitwise equal. Weights are kept in the
+    accumulation dtype, so splitting output columns (TP) or K (row-parallel partials)
+    changes nothing but that final rounding."""
+    n, dtype = x.shape[0], x.dtype
     pad = -n % ROW_TILE
     if pad:
         x = F.pad(x, (0, 0, 0, pad))
-    out = torch.matmul(x.view(-1, ROW_TILE, x.shape[-1]), w.t())
-    return out.reshape(n + pad, w.shape[0])[:n]
+    out = torch.matmul(x.to(w.dtype).view(-1, ROW_TILE, x.shape[-1]), w.t())
+    return out.reshape(n + pad, w.shape[0])[:n].to(dtype)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -100,14 +108,24 @@ class LlamaLayer:
         self.wdown = sd[n["mlp.down_proj.weight"]][:, r * inter:(r + 1) * inter].contiguous()
         self.ln1 = sd[n["input_layernorm.weight"]]
         self.ln2 = sd[n["post_attention_layernorm.weight"]]
+        # Projections are kept in the accumulation dtype (see `linear`); row-parallel
+        # partials are also reduced across ranks in it, so a layout changes nothing but the
+        # final rounding: tp8 and tp1 agree to an ulp instead of by the reassociation error
+        # of a split K dimension compounded over layers.
+        self.acc = accum_dtype(cfg.dtype)
+        for name in ("wq", "wk", "wv", "wo", "wgate", "wup", "wdown"):
+            setattr(self, name, getattr(self, name).to(self.acc))
 
     def _gather_seq(self, x: torch.Tensor) -> torch.Tensor:
         return tp_all_gather(self.g.tp, x, 0) if self.cfg.sequence_parallel else x
 
-    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+    def _row_parallel(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        partial = linear(x.to(self.acc), w)  # stays wide until after the reduction
         if self.cfg.sequence_parallel:
-            return tp_reduce_scatter(self.g.tp, x, 0)
-        return tp_all_reduce(self.g.tp, x)
+            out = tp_reduce_scatter(self.g.tp, partial, 0)
+        else:
+            out = tp_all_reduce(self.g.tp, partial)
+        return out.to(x.dtype)
 
     def forward(self, positions, hidden, residual, cos, sin, attn) -> tuple[torch.Tensor, torch.Tensor]:
         eps, D = self.cfg.rms_norm_eps, self.cfg.head_dim
@@ -120,11 +138,10 @@ class LlamaLayer:
         v = linear(x, self.wv).view(T, self.num_kv_heads, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = attn(self.idx, q, k, v)
-        hidden = self._reduce(linear(o.reshape(T, self.num_heads * D), self.wo))
+        hidden = self._row_parallel(o.reshape(T, self.num_heads * D), self.wo)
         residual = hidden + residual
         x = self._gather_seq(rms_norm(residual, self.ln2, eps))
-        mlp = linear(F.silu(linear(x, self.wgate)) * linear(x, self.wup), self.wdown)
-        return self._reduce(mlp), residual
+        return self._row_parallel(F.silu(linear(x, self.wgate)) * linear(x, self.wup), self.wdown), residual
 
 
 class LlamaForCausalLM:
@@ -143,8 +160,8 @@ class LlamaForCausalLM:
         self.layers = [LlamaLayer(cfg, i, sd, g) if self.start <= i < self.end else PPMissingLayer()
                        for i in range(cfg.num_hidden_layers)]
         self.norm = sd["model.norm.weight"] if self.is_last else PPMissingLayer()
-        self.lm_head = sd["lm_head.weight"][self.vocab_start:self.vocab_start + vshard].contiguous() \
-            if self.is_last else PPMissingLayer()
+        self.lm_head = sd["lm_head.weight"][self.vocab_start:self.vocab_start + vshard].to(
+            accum_dtype(cfg.dtype)) if self.is_last else PPMissingLayer()
         D = cfg.head_dim
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
 

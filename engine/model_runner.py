@@ -251,6 +251,7 @@ class GPUModelRunner:
         sink = self.sink
         sink.microbatch, sink.graph = pb.microbatch, pb.graph is not None
         sink.num_reqs, sink.num_actual_tokens = pb.num_reqs, pb.num_actual_tokens
+        sink.reset_snapshot()  # microbatch ids restart after reset: never reuse a snapshot
         try:
             R, T = pb.num_reqs_padded, pb.num_padded_tokens
             hidden = residual = None

@@ -186,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="fuzz for a time budget")
     r.add_argument("--budget", type=float, default=60.0, help="seconds (default 60)")
     r.add_argument("--layouts", default="", help="comma list, e.g. tp1pp1,tp2pp4,pp8 (default: all)")
-    r.add_argument("--modes", default="eager", help="comma list of modes (eager, graph)")
+    r.add_argument("--modes", default="eager,graph", help="comma list of modes (default eager,graph)")
     r.add_argument("--fault", action="append", default=[], help="switch a registry fault on (repeatable)")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--out", default="reproducers", help="reproducer directory (default reproducers/)")

@@ -33,14 +33,30 @@ class Verdict:
     engine_seconds: float
 
 
-class EnginePool:
-    """LRU of live engines keyed by config (schedule and faults are per Case)."""
+def _pow2(n: int, floor: int) -> int:
+    p = floor
+    while p < n:
+        p *= 2
+    return p
 
-    def __init__(self, capacity: int = 8) -> None:
+
+def engine_config(cfg: EngineConfig) -> EngineConfig:
+    """The config an engine is built with for `cfg`: token budget and KV blocks rounded up,
+    since they only size buffers; the Case's own limits go to the scheduler at reset."""
+    return cfg.replace(max_num_batched_tokens=_pow2(cfg.max_num_batched_tokens, 64),
+                       num_gpu_blocks=_pow2(cfg.num_gpu_blocks, 128))
+
+
+class EnginePool:
+    """LRU of live engines keyed by their built config (schedule, faults and scheduling
+    limits are per Case)."""
+
+    def __init__(self, capacity: int = 16) -> None:
         self.capacity = capacity
         self.engines: OrderedDict[str, LLMEngine] = OrderedDict()
 
     def get(self, cfg: EngineConfig) -> LLMEngine:
+        cfg = engine_config(cfg)
         key = repr(cfg.to_dict())
         eng = self.engines.pop(key, None)
         if eng is None:
@@ -52,7 +68,7 @@ class EnginePool:
         return eng
 
     def discard(self, cfg: EngineConfig) -> None:
-        eng = self.engines.pop(repr(cfg.to_dict()), None)
+        eng = self.engines.pop(repr(engine_config(cfg).to_dict()), None)
         if eng is not None:
             eng.shutdown()
 
@@ -70,7 +86,7 @@ def max_steps_for(w: Workload) -> int:
 def drive(engine: LLMEngine, case: Case, schedule: Schedule, faults: tuple[str, ...],
           forced: dict[str, list[int]] | None) -> Trace:
     """Run the workload to completion on `engine` (arrivals by driver step)."""
-    engine.reset(schedule, faults)
+    engine.reset(schedule, faults, scheduler_config=case.config)
     pending = sorted(enumerate(case.workload.requests), key=lambda p: (p[1].arrival_step, p[0]))
     step, limit = 0, max_steps_for(case.workload)
     while pending or engine.has_unfinished_requests():
@@ -90,7 +106,7 @@ def drive(engine: LLMEngine, case: Case, schedule: Schedule, faults: tuple[str, 
 
 
 class Harness:
-    def __init__(self, pool_capacity: int = 8) -> None:
+    def __init__(self, pool_capacity: int = 16) -> None:
         self.pool = EnginePool(pool_capacity)
         self.ref_cache: OrderedDict[str, Trace] = OrderedDict()
         self.engine_seconds = 0.0

@@ -74,7 +74,10 @@ def varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         kb = kb.repeat_interleave(Hq // Hkv, dim=2)
         vb = vb.repeat_interleave(Hq // Hkv, dim=2)
 
-    scores = torch.einsum("bqhd,bkhd->bhqk", qb.float(), kb.float()) * softmax_scale
+    # Accumulate wider than the inputs (fp64 for fp32, fp32 for half): a head's result then
+    # does not depend on how many heads or sequences share the call.
+    acc = torch.float64 if q.dtype in (torch.float32, torch.float64) else torch.float32
+    scores = torch.einsum("bqhd,bkhd->bhqk", qb.to(acc), kb.to(acc)) * softmax_scale
     allowed = k_valid[:, None, :]  # [B, 1, Lk]
     if causal:
         # Query row j sits at absolute position k_len - q_len + j (bottom-right aligned).
@@ -82,7 +85,7 @@ def varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         allowed = allowed & (p[None, None, :] <= qpos[:, :, None])  # [B, Lq, Lk]
     scores = scores.masked_fill(~allowed[:, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    res = torch.einsum("bhqk,bkhd->bqhd", probs, vb.float()).to(q.dtype)
+    res = torch.einsum("bhqk,bkhd->bqhd", probs, vb.to(acc)).to(q.dtype)
     out[q_idx[q_valid]] = res[q_valid]
     return out
 
