@@ -134,6 +134,9 @@ class InProcWorld:
         self.stopping = True
         for r in self.ranks:
             r.go.set()
+        for r in self.ranks:
+            if r.thread is not None and r.thread is not threading.current_thread():
+                r.thread.join(timeout=2.0)  # a hung rank stays behind as a daemon thread
 
 
 class InProcGroup(GroupCoordinator):

@@ -1,0 +1,145 @@
+"""Graph mode: capture with padding replays bitwise like eager, and bakes scalars faithfully."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import EngineConfig, LLMEngine
+from engine.cuda_graph import BatchDescriptor, CudagraphDispatcher
+
+BASE = EngineConfig(num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, head_dim=8,
+                    max_num_batched_tokens=16, max_model_len=64, num_gpu_blocks=64)
+SIZES = (4, 8, 12)  # a 16-token prefill chunk is larger than every size: runs eager
+
+
+def workload(seed: int = 0):
+    rng = random.Random(seed)
+    return [(f"r{i}", [rng.randrange(128) for _ in range(rng.choice([1, 2, 5, 7, 9, 20, 30]))],
+             rng.randint(2, 5), rng.randint(0, 3)) for i in range(6)]
+
+
+def run(engine: LLMEngine, reqs, faults=()):
+    engine.reset(faults=faults)
+    pending = sorted(reqs, key=lambda r: r[3])
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][3] <= step:
+            rid, prompt, n, _ = pending.pop(0)
+            engine.add_request(rid, prompt, n)
+        if engine.has_unfinished_requests():
+            engine.step()
+        step += 1
+    return engine.trace
+
+
+def test_dispatcher_pads_to_smallest_size():
+    d = CudagraphDispatcher((8, 4, 16), max_num_reqs=8)
+    assert d.dispatch(1, 1) == BatchDescriptor(4, 8)
+    assert d.dispatch(5, 3) == BatchDescriptor(8, 8)
+    assert d.dispatch(16, 8) == BatchDescriptor(16, 8)
+    assert d.dispatch(17, 2) is None  # larger than every captured size: eager
+    assert CudagraphDispatcher((4, 6, 8), 8, multiple_of=4).dispatch(5, 1) == BatchDescriptor(8, 8)
+
+
+@pytest.mark.parametrize("layout", ["tp1pp1", "tp2pp4", "tp1pp8"])
+def test_graph_equals_eager_bitwise(layout):
+    eager = LLMEngine(BASE.replace(layout=layout))
+    graph = LLMEngine(BASE.replace(layout=layout, cudagraph_mode="FULL", capture_sizes=SIZES), record_fa=True)
+    try:
+        for seed in range(2):
+            a, b = run(eager, workload(seed)), run(graph, workload(seed))
+            records = graph.collect_fa_records()
+            replays = {r.microbatch for r in records if r.graph}
+            eager_steps = {r.microbatch for r in records if not r.graph}
+            assert replays and eager_steps, "workload must mix padded replays and oversized eager batches"
+            assert any(r.num_actual_tokens not in SIZES for r in records if r.graph), "no batch needed padding"
+            for rid in a.tokens:
+                assert [t.token for t in a.tokens[rid]] == [t.token for t in b.tokens[rid]]
+                for x, y in zip(a.tokens[rid], b.tokens[rid]):
+                    assert torch.equal(x.logits, y.logits), f"{layout} {rid} step {y.step}"
+        counts = graph.executor.workers[0].runner.graphs
+        assert 1 <= counts.num_graphs <= len(SIZES) and counts.capture_seconds > 0
+    finally:
+        eager.shutdown()
+        graph.shutdown()
+
+
+def test_padding_follows_vllm_rules():
+    eng = LLMEngine(BASE.replace(cudagraph_mode="FULL", capture_sizes=(8,)), record_fa=True)
+    try:
+        eng.reset()
+        eng.add_request("a", [1, 2, 3], 1)  # 3 tokens, 1 request -> padded to 8 tokens, 8 requests
+        eng.step()
+        rec = next(r for r in eng.collect_fa_records() if r.graph)
+        assert rec.q_shape[0] == 8 and rec.num_actual_tokens == 3 and rec.num_reqs == 1
+        assert rec.cu_seqlens_q.tolist() == [0, 3] + [3] * 7  # tail repeats the last offset
+        assert rec.seqused_k.tolist() == [3] + [0] * 7  # padded seq_lens are 0
+        assert (rec.block_table[1:] == 0).all()  # padded rows point at the null block
+        assert rec.slot_mapping[3:8].tolist() == [-1] * 5  # padded slots write nothing
+        assert rec.max_seqlen_q == 8 and rec.max_seqlen_k == BASE.max_model_len  # baked bounds
+    finally:
+        eng.shutdown()
+
+
+def test_cpu_capture_bakes_scalars_like_a_cuda_graph():
+    """A graph captured while a short batch was live, its attention scalars baked from that
+    batch (fault graph_stale_max_seqlen), replayed with a longer query at the same size,
+    leaves exactly the rows past the baked max_seqlen_q as NaN, as the H200 kernel does."""
+    eng = LLMEngine(BASE.replace(cudagraph_mode="FULL", capture_sizes=(12,)), record_fa=True)
+    try:
+        eng.reset(faults=("graph_stale_max_seqlen",))
+        eng.add_request("short", [5, 6], 2)  # captures size 12 with max_seqlen_q = 2
+        eng.step()
+        eng.add_request("long", list(range(10)), 1)  # replays size 12 with a 10-token query
+        while eng.has_unfinished_requests():
+            eng.step()
+        recs = [r for r in eng.collect_fa_records() if r.graph]
+        long_call = next(r for r in recs if int((r.cu_seqlens_q[1:] - r.cu_seqlens_q[:-1]).max()) == 10)
+        assert long_call.max_seqlen_q == 2  # the baked scalar, visible in the replay's record
+        assert not torch.isfinite(eng.trace.tokens["long"][0].logits).all()
+    finally:
+        eng.shutdown()
+
+
+def test_baked_scalar_nan_rows_exactly_past_max_seqlen_q():
+    """The capture itself (make_fx) keeps a Python int as a constant: replaying with a
+    longer query gives NaN rows from index max_seqlen_q on, and finite rows before it."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from engine.attention.reference import varlen_attention
+
+    torch.manual_seed(0)
+    kc, vc = torch.randn(16, 4, 2, 8), torch.randn(16, 4, 2, 8)
+    bt = torch.arange(1, 9, dtype=torch.int32).view(2, 4)
+    cu = torch.tensor([0, 2, 4], dtype=torch.int32)
+    sl = torch.tensor([2, 2], dtype=torch.int32)
+    q = torch.randn(12, 4, 8)
+
+    def fn(q, cu, sl):
+        return varlen_attention(q, kc, vc, cu, 2, sl, 16, bt, 0.35)  # max_seqlen_q=2 baked
+
+    gm = make_fx(fn)(q, cu, sl)
+    cu.copy_(torch.tensor([0, 2, 12], dtype=torch.int32))  # replay: second query is 10 long
+    sl.copy_(torch.tensor([2, 10], dtype=torch.int32))
+    out = gm(q, cu, sl)
+    bad = ~torch.isfinite(out).all(-1).all(-1)
+    assert bad.tolist() == [False, False, False, False] + [True] * 8
+
+
+@pytest.mark.gpu
+def test_graph_equals_eager_on_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    cfg = BASE.replace(device="cuda", layout="tp1pp2")
+    eager = LLMEngine(cfg)
+    graph = LLMEngine(cfg.replace(cudagraph_mode="FULL", capture_sizes=SIZES))
+    try:
+        a, b = run(eager, workload(0)), run(graph, workload(0))
+        for rid in a.tokens:
+            for x, y in zip(a.tokens[rid], b.tokens[rid]):
+                assert torch.equal(x.logits, y.logits)
+    finally:
+        eager.shutdown()
+        graph.shutdown()
