@@ -81,6 +81,12 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"{name}: must be a positive int, got {v!r}")
+        if not self.rope_theta > 0:
+            raise ConfigError(f"rope_theta: must be > 0, got {self.rope_theta!r}")
+        if not self.rms_norm_eps >= 0:
+            raise ConfigError(f"rms_norm_eps: must be >= 0, got {self.rms_norm_eps!r}")
+        if not self.step_timeout_s > 0:
+            raise ConfigError(f"step_timeout_s: must be > 0, got {self.step_timeout_s!r}")
         _choice("dtype", self.dtype, _DTYPES)
         _choice("attention_backend", self.attention_backend, _BACKENDS)
         _choice("cudagraph_mode", self.cudagraph_mode, _MODES)

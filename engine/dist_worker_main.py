@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import threading
 import traceback
 from collections import deque
@@ -237,6 +238,8 @@ def _watch_driver(lifeline) -> None:
 def worker_main(rank: int, cfg_dict: dict, store_port: int, prefix: str, conn, lifeline,
                 record_fa: bool, num_threads: int) -> None:
     """Target of each rank process started by DistExecutor."""
+    # Ctrl-C reaches the whole process group; only the driver should act on it (it kills us).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _watch_driver(lifeline)
     chan = PipeChannel(conn, rank)
     try:
@@ -263,3 +266,8 @@ def worker_main(rank: int, cfg_dict: dict, store_port: int, prefix: str, conn, l
         dist.destroy_process_group()
     finally:
         os._exit(0)  # skip interpreter teardown (gloo threads); the driver joins us
+
+
+if __name__ == "__main__":
+    raise SystemExit("engine.dist_worker_main: no torchrun entry point yet; ranks are started "
+                     "by engine.dist_executor.DistExecutor (EngineConfig(world='torch'))")

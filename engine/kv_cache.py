@@ -69,6 +69,9 @@ class KVCacheManager:
 
     def check_accounting(self) -> None:
         """No block owned twice, none leaked: owned + free == all usable blocks."""
+        if len(set(self.pool.free)) != len(self.pool.free):
+            dup = next(b for b in self.pool.free if self.pool.free.count(b) > 1)
+            raise KVAccountingError(f"block {dup} is on the free list twice (double free)")
         owned = [b for blocks in self.req_blocks.values() for b in blocks]
         if len(owned) != len(set(owned)):
             dup = next(b for b in owned if owned.count(b) > 1)

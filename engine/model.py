@@ -98,13 +98,17 @@ class LlamaLayer:
             self.num_kv_heads = 1
             kv0 = r * cfg.num_key_value_heads // tp
         q0 = r * self.num_heads
-        self.wq = sd[n["self_attn.q_proj.weight"]][q0 * D:(q0 + self.num_heads) * D].contiguous()
-        self.wk = sd[n["self_attn.k_proj.weight"]][kv0 * D:(kv0 + self.num_kv_heads) * D].contiguous()
-        self.wv = sd[n["self_attn.v_proj.weight"]][kv0 * D:(kv0 + self.num_kv_heads) * D].contiguous()
+        # Fused column-parallel projections (vLLM's QKVParallelLinear and
+        # MergedColumnParallelLinear): each rank concatenates its own q, k, v shards.
+        wq = sd[n["self_attn.q_proj.weight"]][q0 * D:(q0 + self.num_heads) * D]
+        wk = sd[n["self_attn.k_proj.weight"]][kv0 * D:(kv0 + self.num_kv_heads) * D]
+        wv = sd[n["self_attn.v_proj.weight"]][kv0 * D:(kv0 + self.num_kv_heads) * D]
+        self.wqkv = torch.cat([wq, wk, wv]).contiguous()
         self.wo = sd[n["self_attn.o_proj.weight"]][:, q0 * D:(q0 + self.num_heads) * D].contiguous()
         inter = cfg.intermediate_size // tp
-        self.wgate = sd[n["mlp.gate_proj.weight"]][r * inter:(r + 1) * inter].contiguous()
-        self.wup = sd[n["mlp.up_proj.weight"]][r * inter:(r + 1) * inter].contiguous()
+        self.inter = inter
+        self.wgate_up = torch.cat([sd[n["mlp.gate_proj.weight"]][r * inter:(r + 1) * inter],
+                                   sd[n["mlp.up_proj.weight"]][r * inter:(r + 1) * inter]]).contiguous()
         self.wdown = sd[n["mlp.down_proj.weight"]][:, r * inter:(r + 1) * inter].contiguous()
         self.ln1 = sd[n["input_layernorm.weight"]]
         self.ln2 = sd[n["post_attention_layernorm.weight"]]
@@ -113,7 +117,7 @@ class LlamaLayer:
         # final rounding: tp8 and tp1 agree to an ulp instead of by the reassociation error
         # of a split K dimension compounded over layers.
         self.acc = accum_dtype(cfg.dtype)
-        for name in ("wq", "wk", "wv", "wo", "wgate", "wup", "wdown"):
+        for name in ("wqkv", "wo", "wgate_up", "wdown"):
             setattr(self, name, getattr(self, name).to(self.acc))
 
     def _gather_seq(self, x: torch.Tensor) -> torch.Tensor:
@@ -133,15 +137,16 @@ class LlamaLayer:
         residual = hidden if residual is None else hidden + residual
         x = self._gather_seq(rms_norm(residual, self.ln1, eps))
         T = x.shape[0]
-        q = linear(x, self.wq).view(T, self.num_heads, D)
-        k = linear(x, self.wk).view(T, self.num_kv_heads, D)
-        v = linear(x, self.wv).view(T, self.num_kv_heads, D)
+        nq, nkv = self.num_heads * D, self.num_kv_heads * D
+        q, k, v = linear(x, self.wqkv).split([nq, nkv, nkv], dim=-1)
+        q, k, v = q.view(T, self.num_heads, D), k.view(T, self.num_kv_heads, D), v.reshape(T, self.num_kv_heads, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = attn(self.idx, q, k, v)
         hidden = self._row_parallel(o.reshape(T, self.num_heads * D), self.wo)
         residual = hidden + residual
         x = self._gather_seq(rms_norm(residual, self.ln2, eps))
-        return self._row_parallel(F.silu(linear(x, self.wgate)) * linear(x, self.wup), self.wdown), residual
+        gate, up = linear(x, self.wgate_up).split([self.inter, self.inter], dim=-1)
+        return self._row_parallel(F.silu(gate) * up, self.wdown), residual
 
 
 class LlamaForCausalLM:

@@ -65,18 +65,32 @@ def load_state_dict(cfg: EngineConfig) -> dict[str, torch.Tensor]:
         sd.update(load_file(os.path.join(cfg.model_path, f)))
     if "lm_head.weight" not in sd:  # tied embeddings
         sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
-    missing = [k for k in _expected_names(cfg) if k not in sd]
+    expected = expected_shapes(cfg)
+    missing = [k for k in expected if k not in sd]
     if missing:
         raise ConfigError(f"model_path: checkpoint lacks {missing[0]}")
+    for name, want in expected.items():
+        if tuple(sd[name].shape) != want:
+            raise ConfigError(f"model_path: {name} has shape {tuple(sd[name].shape)} but the config needs {want}")
+    extra = sorted(k for k in sd if k.startswith("model.layers.") and k not in expected)
+    if extra:
+        raise ConfigError(f"model_path: checkpoint has {extra[0]} beyond num_hidden_layers={cfg.num_hidden_layers}")
     dtype = cfg.torch_dtype()
     return {k: v.to(dtype) for k, v in sd.items()}
 
 
-def _expected_names(cfg: EngineConfig) -> list[str]:
-    names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+def expected_shapes(cfg: EngineConfig) -> dict[str, tuple[int, ...]]:
+    H, D, I, V = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size
+    nq, nkv = cfg.num_attention_heads * D, cfg.num_key_value_heads * D
+    out = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,), "lm_head.weight": (V, H)}
+    per_layer = {"self_attn.q_proj.weight": (nq, H), "self_attn.k_proj.weight": (nkv, H),
+                 "self_attn.v_proj.weight": (nkv, H), "self_attn.o_proj.weight": (H, nq),
+                 "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H), "mlp.down_proj.weight": (H, I),
+                 "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,)}
     for i in range(cfg.num_hidden_layers):
-        names += list(layer_names(i).values())
-    return names
+        for short, full in layer_names(i).items():
+            out[full] = per_layer[short]
+    return out
 
 
 def hf_config_dict(cfg: EngineConfig) -> dict:

@@ -80,8 +80,11 @@ class Campaign:
         self._last_print = 0.0
 
     def _body(self, case) -> None:
-        if time.monotonic() > self._hard_deadline:
-            return  # out of time: stop shrinking; the smallest failure so far is kept below
+        now = time.monotonic()
+        if now > self._hard_deadline or (now > self._deadline and self._smallest is None):
+            # Out of time: the rest of the chunk passes untested (not counted); a shrink in
+            # progress stops and keeps the smallest failure seen so far.
+            return
         t0 = time.perf_counter()
         cell = self.summary.cells.setdefault((case.layout, case.mode), CellStats())
         try:
@@ -153,7 +156,7 @@ class Campaign:
 
     def run(self) -> Summary:
         self._t0 = time.monotonic()
-        deadline = self._t0 + self.budget_s
+        deadline = self._deadline = self._t0 + self.budget_s
         # Shrinking may run past the budget by a bounded grace, then stops with what it has.
         self._hard_deadline = deadline + max(30.0, 0.5 * self.budget_s)
         self._first_path, self._smallest = None, None

@@ -47,10 +47,10 @@ def _base_config(args):
 def cmd_run(args) -> int:
     from engine.faults import FAULTS
     from fuzz.campaign import Campaign
-    from fuzz.strategies import DEFAULT_LAYOUTS, IMPLEMENTED_MODES
+    from fuzz.strategies import CAMPAIGN_ORDER, IMPLEMENTED_MODES
 
     base = _base_config(args)
-    layouts = _parse_layouts(args.layouts, base) if args.layouts else list(DEFAULT_LAYOUTS)
+    layouts = _parse_layouts(args.layouts, base) if args.layouts else list(CAMPAIGN_ORDER)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for m in modes:
         if m not in IMPLEMENTED_MODES:

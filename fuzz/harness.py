@@ -107,6 +107,11 @@ def drive(engine: LLMEngine, case: Case, schedule: Schedule, faults: tuple[str, 
 
 class Harness:
     def __init__(self, pool_capacity: int = 16) -> None:
+        import torch
+
+        # CPU GEMMs round differently per thread count: one compute thread makes verdicts
+        # and reproducers identical across machines and across the two worlds.
+        torch.set_num_threads(1)
         self.pool = EnginePool(pool_capacity)
         self.ref_cache: OrderedDict[str, Trace] = OrderedDict()
         self.engine_seconds = 0.0
