@@ -14,19 +14,27 @@ import torch
 
 def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write each token's k/v to its slot; slot -1 (padding) is skipped."""
+    """Write each token's k/v to its slot; slot -1 (padding) writes nothing.
+
+    On CUDA the -1 slots are redirected into the null block 0 instead of being filtered:
+    filtering needs a device-to-host sync, which a CUDA graph capture forbids, and block 0
+    is never read for a live token (its poison must only stay finite, which k/v are)."""
     n = min(k.shape[0], slot_mapping.shape[0])
-    slots = slot_mapping[:n]
-    keep = slots >= 0
-    if not bool(keep.all()):
-        idx = keep.nonzero().squeeze(1)
-        k, v, slots = k[idx], v[idx], slots[idx]
-    else:
-        k, v = k[:n], v[:n]
+    slots = slot_mapping[:n].long()
+    k, v = k[:n], v[:n]
     flat_k = k_cache.view(-1, *k_cache.shape[2:])
     flat_v = v_cache.view(-1, *v_cache.shape[2:])
-    flat_k[slots.long()] = k
-    flat_v[slots.long()] = v
+    if k.is_cuda:
+        valid = (slots >= 0)[:, None, None]
+        slots = torch.where(slots >= 0, slots, torch.zeros_like(slots))
+        # Padded rows may hold NaN (poisoned inputs); the null block must stay finite.
+        k = torch.where(valid, k, torch.zeros_like(k))
+        v = torch.where(valid, v, torch.zeros_like(v))
+    else:
+        keep = (slots >= 0).nonzero().squeeze(1)
+        k, v, slots = k[keep], v[keep], slots[keep]
+    flat_k[slots] = k
+    flat_v[slots] = v
 
 
 def varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -86,8 +94,12 @@ def varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     scores = scores.masked_fill(~allowed[:, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     res = torch.einsum("bhqk,bkhd->bqhd", probs, vb.to(acc)).to(q.dtype)
-    out[q_idx[q_valid]] = res[q_valid]
-    return out
+    # Scatter computed rows back; rows not computed go to a trash row past the end (no
+    # boolean indexing: that would sync the device and break CUDA graph capture).
+    out = torch.cat([out, out[:1]])
+    dst = torch.where(q_valid, q_idx, torch.full_like(q_idx, T))
+    out.index_put_((dst.reshape(-1),), res.reshape(-1, Hq, D))
+    return out[:T]
 
 
 def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
