@@ -114,7 +114,8 @@ def record_args(rec) -> tuple[tuple, dict]:
     args = (q, kv, kv, rec.cu_seqlens_q, None, rec.max_seqlen_q, rec.max_seqlen_k)
     kwargs = dict(block_table=rec.block_table, seqused_k=rec.seqused_k, causal=rec.causal,
                   num_reqs=rec.num_reqs, num_actual_tokens=rec.num_actual_tokens,
-                  slot_mapping=rec.slot_mapping, require_half=rec.device.startswith("cuda"))
+                  slot_mapping=rec.slot_mapping,
+                  require_half=rec.device.startswith("cuda") and rec.backend != "reference")
     return args, kwargs
 
 

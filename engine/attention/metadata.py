@@ -52,6 +52,7 @@ class FACallRecord:
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
     causal: bool = True
+    backend: str = "reference"  # the kernel's dtype rules apply to real FA backends only
 
 
 class AttentionMetadataBuilder:
