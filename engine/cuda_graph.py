@@ -62,6 +62,9 @@ class GraphStore:
         self.capture_seconds = 0.0
         self.pool = None
 
+    def clear(self) -> None:
+        self.graphs.clear()
+
     @property
     def num_graphs(self) -> int:
         return len(self.graphs)

@@ -156,6 +156,7 @@ class LlamaForCausalLM:
     def __init__(self, cfg: EngineConfig, sd: dict, g: RankGroups) -> None:
         self.cfg, self.g = cfg, g
         self.start, self.end = get_pp_indices(cfg.num_hidden_layers, g.pp_rank, cfg.pp)
+        self.run_end = self.end  # the runner lowers it for the pp_uneven_partition fault
         self.is_first = g.pp_rank == 0
         self.is_last = g.pp_rank == cfg.pp - 1
         vshard = cfg.vocab_size // cfg.tp
@@ -204,7 +205,7 @@ class LlamaForCausalLM:
             hidden, residual = intermediate.hidden_states, intermediate.residual
             if self.cfg.sequence_parallel:  # hidden crosses stages whole, residual scattered
                 hidden = self.scatter_seq(hidden)
-        for layer in self.layers[self.start:self.end]:
+        for layer in self.layers[self.start:self.run_end]:
             hidden, residual = layer.forward(positions, hidden, residual, cos, sin, attn)
         if not self.is_last:
             if self.cfg.sequence_parallel:

@@ -24,6 +24,8 @@ from engine.model import IntermediateTensors, LlamaForCausalLM
 from engine.parallel_state import RankGroups
 from engine.scheduler import SchedulerOutput
 
+# Faults that change what a graph bakes at capture.
+CAPTURE_FAULTS = frozenset({"graph_stale_max_seqlen", "capture_metadata_baked"})
 KV_POISON = 1.0e4  # finite: paged kernels load whole pages and 0 x NaN would be NaN
 
 
@@ -84,6 +86,8 @@ class GPUModelRunner:
             cfg.capture_sizes if cfg.cudagraph_mode == "FULL" else (), R,
             multiple_of=cfg.tp if cfg.sequence_parallel else 1)
         self.graphs = GraphStore(dev)
+        self._baked: dict[BatchDescriptor, tuple[int, int, int]] = {}  # what each graph froze
+        self._stale_logits: torch.Tensor | None = None
         self._staging_copies: list[CopyHandle] = []
         self.scale = cfg.head_dim ** -0.5
 
@@ -106,6 +110,20 @@ class GPUModelRunner:
             v.fill_(KV_POISON)
         if self.fa_records is not None:
             self.fa_records.clear()
+        self._stale_logits = None
+        # A fault is a property of the Case, so the layer split is re-derived per reset.
+        m = self.model
+        uneven = self.cfg.num_hidden_layers % self.cfg.pp != 0
+        m.run_end = m.end - 1 if (self.faults.on("pp_uneven_partition") and uneven and m.is_last) else m.end
+        # Captured graphs survive resets (capture is expensive) unless what they froze may
+        # differ: a fault that changes what is baked (then the Case's own first batches must
+        # capture, so its verdict never depends on earlier Cases) or a changed layer loop.
+        capture_faults = self.faults.names & CAPTURE_FAULTS
+        graph_key = (m.run_end, capture_faults)
+        if capture_faults or graph_key != getattr(self, "_graph_key", graph_key):
+            self.graphs.clear()
+            self._baked.clear()
+        self._graph_key = graph_key
 
     # -- host phase --------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -134,7 +152,7 @@ class GPUModelRunner:
         ib.clear()
         for rid, n in so.num_scheduled_tokens.items():
             ib.add_request(self.requests[rid], n)
-        ib.reorder_batch(swap_block_table=not self.faults.on("reorder_skips_block_table"))
+        ib.reorder_batch(swap_block_table=not self.faults.on("reorder_partial_swap"))
         R = ib.num_reqs
         ns = torch.tensor(ib.num_scheduled[:R], dtype=torch.int64)
         nc = torch.tensor(ib.num_computed_tokens[:R], dtype=torch.int64)
@@ -167,7 +185,8 @@ class GPUModelRunner:
         self.seq_lens.cpu[:R] = seq_lens.to(torch.int32)
         # Graph padding (vLLM's rules): query_start_loc's tail repeats the last offset,
         # padded seq_lens are 0, padded block-table rows point at the null block 0.
-        self.query_start_loc.cpu[R + 1:R_pad + 1] = T
+        if not self.faults.on("stale_query_start_loc_tail"):
+            self.query_start_loc.cpu[R + 1:R_pad + 1] = T
         self.seq_lens.cpu[R:R_pad] = 0
         ib.block_table.table[R:R_pad] = 0
         cp = self.copier
@@ -208,21 +227,27 @@ class GPUModelRunner:
 
     def _run_graph(self, pb: PreparedBatch, hidden, residual):
         desc, cfg = pb.graph, self.cfg
-        T, R = desc.num_tokens, desc.num_reqs
+        T = desc.num_tokens
+        if desc not in self._baked:
+            if self.faults.on("graph_stale_max_seqlen"):
+                # Field note 1: the scalars of the batch that happened to trigger the capture.
+                baked = (pb.max_query_len, pb.max_seq_len, desc.num_reqs)
+            else:
+                d = self.builder.build_for_cudagraph_capture(
+                    query_start_loc=self.query_start_loc.gpu, seq_lens=self.seq_lens.gpu,
+                    block_table=self.block_table, slot_mapping=self.slot_mapping.gpu,
+                    num_tokens=T, num_reqs=desc.num_reqs, max_model_len=cfg.max_model_len)
+                baked = (d.max_query_len, d.max_seq_len, d.num_reqs)
+            if self.faults.on("capture_metadata_baked"):
+                baked = baked[:2] + (pb.num_reqs,)  # field note 12: the capture batch's count
+            self._baked[desc] = baked
+        max_q, max_k, R = self._baked[desc]
         bufs = [self.query_start_loc.gpu[:R + 1], self.seq_lens.gpu[:R], self.block_table[:R],
                 self.slot_mapping.gpu[:T], self.input_ids.gpu[:T], self.positions.gpu[:T],
                 hidden, residual]
-        if self.faults.on("graph_stale_max_seqlen"):
-            # Field note 1: the scalars of the batch that happened to trigger the capture.
-            baked = (pb.max_query_len, pb.max_seq_len)
-        else:
-            d = self.builder.build_for_cudagraph_capture(
-                query_start_loc=bufs[0], seq_lens=bufs[1], block_table=bufs[2], slot_mapping=bufs[3],
-                num_tokens=T, num_reqs=R, max_model_len=cfg.max_model_len)
-            baked = (d.max_query_len, d.max_seq_len)
 
         def fn(qsl, sl, bt, sm, ids, pos, h, r):
-            md = CommonAttentionMetadata(qsl, sl, bt, sm, R, T, baked[0], baked[1])
+            md = CommonAttentionMetadata(qsl, sl, bt, sm, R, T, max_q, max_k)
             return self._forward(md, ids, pos, h, r)
 
         records, self.sink.records = self.sink.records, None  # capture runs are not calls
@@ -232,7 +257,7 @@ class GPUModelRunner:
             self.sink.records = records
         if cfg.device.startswith("cuda") and records is not None:
             # Host code inside the graph does not replay: record the host-side metadata.
-            self._record_host(pb, baked, T, R)
+            self._record_host(pb, (max_q, max_k), T, R)
         return graph(*bufs)
 
     def _record_host(self, pb: PreparedBatch, baked, T: int, R: int) -> None:
@@ -269,8 +294,12 @@ class GPUModelRunner:
                     max_query_len=pb.max_query_len, max_seq_len=pb.max_seq_len)
                 out = self._forward(md, self.input_ids.gpu[:T], self.positions.gpu[:T], hidden, residual)
             if not m.is_last:
-                g.pp.send_tensor_dict({"hidden_states": out[0], "residual": out[1]}, all_gather_group=g.tp,
-                                      scattered=("residual",) if cfg.sequence_parallel else ())
+                # The sequence-parallel residual differs per TP rank: it must go whole
+                # (applying the all_gather split to it is field note 8).
+                scattered = ("residual",) if cfg.sequence_parallel and not self.faults.on(
+                    "pp_allgather_non_replicated") else ()
+                g.pp.send_tensor_dict({"hidden_states": out[0], "residual": out[1]},
+                                      all_gather_group=g.tp, scattered=scattered)
                 logits = None
             else:
                 logits = m.compute_logits(out[pb.logits_indices]).float()
@@ -280,6 +309,12 @@ class GPUModelRunner:
             # Every rank receives the last stage's logits and samples itself (field note 7).
             logits = g.pp.broadcast_tensor_dict({"logits": logits} if m.is_last else None,
                                                 src=cfg.pp - 1)["logits"]
+            if self.faults.on("pp_logits_not_broadcast") and not m.is_last:
+                # Field note 7: sample from the previous step's logits, not the broadcast.
+                fresh = logits
+                logits = self._stale_logits if self._stale_logits is not None and \
+                    self._stale_logits.shape == fresh.shape else torch.zeros_like(fresh)
+                self._stale_logits = fresh
         if logits is None:
             return None
         return ModelRunnerOutput(pb.microbatch, g.rank, pb.sample_req_ids,

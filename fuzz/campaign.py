@@ -44,6 +44,8 @@ class Summary:
     cells: dict = field(default_factory=dict)  # (layout, mode) -> CellStats
     failures: list = field(default_factory=list)
     interrupted: bool = False
+    first_failure_s: float | None = None  # time and examples until the first failure was seen
+    first_failure_examples: int | None = None
 
     def to_json(self) -> dict:
         return {
@@ -67,16 +69,32 @@ class Summary:
         return "\n".join(rows)
 
 
+def _leaves(g: BaseExceptionGroup | None) -> list:
+    """The Violations inside a (possibly nested) exception group, first of each property."""
+    out, seen = [], set()
+    stack = list(g.exceptions) if g is not None else []
+    while stack:
+        e = stack.pop(0)
+        if isinstance(e, BaseExceptionGroup):
+            stack[:0] = list(e.exceptions)
+        elif isinstance(e, Violation) and (e.property, e.message) not in seen:
+            seen.add((e.property, e.message))
+            out.append(e)
+    return out
+
+
 class Campaign:
     def __init__(self, *, layouts, modes=("eager",), faults=(), seed: int = 0, out_dir: str = "reproducers",
                  budget_s: float = 60.0, chunk: int = 8, stop_on_failure: bool = False,
-                 progress: bool = True, base=FUZZ_MODEL, max_requests: int = 10) -> None:
+                 progress: bool = True, base=FUZZ_MODEL, max_requests: int = 10,
+                 harness: Harness | None = None) -> None:
         self.layouts, self.modes, self.faults = tuple(layouts), tuple(modes), tuple(faults)
         self.seed, self.out_dir, self.budget_s, self.chunk = seed, out_dir, budget_s, chunk
         self.stop_on_failure, self.progress = stop_on_failure, progress
         self.base, self.max_requests = base, max_requests
         self.summary = Summary()
-        self.harness = Harness()
+        self.harness = harness or Harness()
+        self._own_harness = harness is None
         self._last_print = 0.0
 
     def _body(self, case) -> None:
@@ -102,6 +120,9 @@ class Campaign:
     def _on_failure(self, v: Violation) -> None:
         """A failure is on disk the moment it is seen, before shrinking: nothing is lost if
         the campaign is killed mid-shrink. Shrunk versions replace it."""
+        if self.summary.first_failure_s is None:
+            self.summary.first_failure_s = time.monotonic() - self._t0
+            self.summary.first_failure_examples = self.summary.examples + 1
         if self._first_path is None:
             self._first_path = write_reproducer(self.out_dir, v.case, v.property, v.message, v.error_ratio)
         self._smallest = v
@@ -173,12 +194,13 @@ class Campaign:
                     test()
                 except Violation as v:
                     self._record(v)
-                except BaseExceptionGroup as g:  # several distinct failures in one chunk
+                except BaseExceptionGroup as g:  # several failures, or Hypothesis's FlakyFailure
                     vs, rest = g.split(Violation)
-                    for v in (vs.exceptions if vs else ()):
+                    if vs is None and rest is not None:
+                        raise
+                    for v in _leaves(vs):
                         self._record(v)
-                    if rest:
-                        raise rest
+                    self._smallest = None
                 except Exception:
                     # Hypothesis gave up mid-shrink (our time limit makes late replays pass,
                     # which it calls flaky): keep the smallest failure seen.
@@ -198,5 +220,6 @@ class Campaign:
             self._print_progress(force=True)
             if self.progress:
                 sys.stderr.write("\n")
-            self.harness.close()
+            if self._own_harness:
+                self.harness.close()
         return self.summary

@@ -158,6 +158,26 @@ def cmd_faults(args) -> int:
     return EXIT_OK
 
 
+def cmd_selftest(args) -> int:
+    from engine.faults import FAULTS
+    from fuzz import profiles
+    from fuzz.selftest import run_selftest, summary_json, table
+
+    names = args.fault or list(FAULTS)
+    for f in names:
+        if f not in FAULTS:
+            raise BadInput(f"--fault: unknown fault {f!r} (see `llmfuzz faults`)")
+    if args.budget_per_fault <= 0:
+        raise BadInput(f"--budget-per-fault: {args.budget_per_fault} is not a positive number of seconds")
+    profiles.load(args.profile)
+    results = run_selftest(names, args.budget_per_fault, args.out, args.seed, progress=not args.json)
+    if args.json:
+        print(json.dumps(summary_json(results), indent=1))
+    else:
+        print(table(results))
+    return EXIT_OK if all(r.detected for r in results) else EXIT_FAIL
+
+
 def cmd_generate(args) -> int:
     """Run one demo workload and print what it generated (a smoke test of the engine)."""
     import time
@@ -207,6 +227,14 @@ def build_parser() -> argparse.ArgumentParser:
     f = sub.add_parser("faults", help="list the fault registry")
     f.add_argument("--json", action="store_true")
     f.set_defaults(fn=cmd_faults)
+    st = sub.add_parser("selftest", help="fuzz with each registry fault on; exit 0 only if all are caught")
+    st.add_argument("--budget-per-fault", type=float, default=60.0)
+    st.add_argument("--fault", action="append", default=[], help="only these faults (repeatable)")
+    st.add_argument("--out", default="reproducers/faults")
+    st.add_argument("--seed", type=int, default=0)
+    st.add_argument("--profile", default=None)
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(fn=cmd_selftest)
     g = sub.add_parser("generate", help="run a demo workload on the reference engine")
     g.add_argument("--layout", default="")
     g.add_argument("--requests", type=int, default=8)

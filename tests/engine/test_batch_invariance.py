@@ -161,14 +161,14 @@ def test_logits_same_when_reorder_batch_moves_the_row(engine, swaps, name):
     # logits, or a poisoned block-table row reached by attention). Own engine: it may break.
     e = LLMEngine(CFG)
     try:
-        bad = run(e, arrivals, faults=("reorder_skips_block_table",)).tokens["t"]
+        bad = run(e, arrivals, faults=("reorder_partial_swap",)).tokens["t"]
         caught = len(bad) != len(ref) or any(
             (x.logits - y.logits).abs().max().item() > ATOL for x, y in zip(ref, bad))
     except RankFailure:
         caught = True
     finally:
         e.shutdown()
-    assert caught, "fault reorder_skips_block_table went unnoticed"
+    assert caught, "fault reorder_partial_swap went unnoticed"
 
 
 # -- teacher forcing ---------------------------------------------------------------------------
