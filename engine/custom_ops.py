@@ -38,6 +38,7 @@ class AttentionSink:
     num_actual_tokens: int = 0
     tile_q: int | None = None
     key_len_pad: int | None = None  # pad key work shapes to this (max_model_len): bitwise modes
+    backend: str = "reference"
     _snap: tuple | None = field(default=None, repr=False)  # this forward's metadata copy
 
     def reset_snapshot(self) -> None:
@@ -116,6 +117,11 @@ def unified_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     if s is not None and s.records is not None:
         s.records.append(_record(s, layer, q, k_cache, query_start_loc, seq_lens, block_table,
                                  slot_mapping, max_seqlen_q, max_seqlen_k))
+    if s is not None and s.backend != "reference":
+        from engine.attention.torch_flash import BACKENDS
+
+        return BACKENDS[s.backend](q, k_cache, v_cache, query_start_loc, max_seqlen_q, seq_lens,
+                                   max_seqlen_k, block_table, scale)
     return varlen_attention(q, k_cache, v_cache, query_start_loc, max_seqlen_q, seq_lens, max_seqlen_k,
                             block_table, scale, causal=True, tile_q=s.tile_q if s is not None else None,
                             key_len_pad=s.key_len_pad if s is not None else None)
@@ -139,4 +145,4 @@ def _record(s: AttentionSink, layer, q, k_cache, qsl, seq_lens, bt, sm, max_q, m
         q_stride=tuple(q.stride()), kv_shape=tuple(k_cache.shape), kv_stride=tuple(k_cache.stride()),
         dtype=str(q.dtype).removeprefix("torch."), device=str(q.device), max_seqlen_q=int(max_q),
         max_seqlen_k=int(max_k), num_reqs=s.num_reqs, num_actual_tokens=s.num_actual_tokens,
-        cu_seqlens_q=cu, seqused_k=sl, block_table=btc, slot_mapping=smc)
+        cu_seqlens_q=cu, seqused_k=sl, block_table=btc, slot_mapping=smc, backend=s.backend)

@@ -80,7 +80,8 @@ class GPUModelRunner:
                                      for k in ("hidden_states", "residual")}
         self.builder = AttentionMetadataBuilder()
         self.fa_records: list | None = [] if record_fa else None
-        self.sink = AttentionSink(groups.rank, self.fa_records, key_len_pad=cfg.max_model_len)
+        self.sink = AttentionSink(groups.rank, self.fa_records, key_len_pad=cfg.max_model_len,
+                                  backend=cfg.attention_backend)
         self.sink_key = register_sink(self.sink)
         self.dispatcher = CudagraphDispatcher(
             cfg.capture_sizes if cfg.cudagraph_mode == "FULL" else (), R,

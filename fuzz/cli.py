@@ -1,7 +1,9 @@
 """`llmfuzz`: run a campaign, replay or minimize a reproducer, list faults, generate a demo.
 
 Exit codes: 0 nothing failed (or a replayed case passes now), 1 a failure was found /
-reproduces, 2 bad input (one line on stderr naming the problem, before any rank starts).
+reproduces, 2 bad input (one line on stderr naming the problem, before any rank starts),
+130 interrupted before a campaign could summarise (a campaign interrupted by SIGINT or
+SIGTERM prints its summary so far and exits 0 or 1 as above).
 Torch is imported only by the commands that need it, so `llmfuzz --help` starts fast.
 """
 from __future__ import annotations
@@ -10,7 +12,7 @@ import argparse
 import json
 import sys
 
-EXIT_OK, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_OK, EXIT_FAIL, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 class BadInput(Exception):
@@ -243,13 +245,32 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _terminate_as_interrupt(signum, frame) -> None:
+    # SIGTERM (a CI time limit, `kill`) stops a campaign the way Ctrl-C does: failures found so
+    # far are already on disk, the summary so far is printed, the exit code says what was found.
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
+    import signal
+
     args = build_parser().parse_args(argv)
+    if threading_is_main():
+        signal.signal(signal.SIGTERM, _terminate_as_interrupt)
     try:
         return args.fn(args)
     except BadInput as e:
         print(f"llmfuzz: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("llmfuzz: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def threading_is_main() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
 
 
 if __name__ == "__main__":
