@@ -70,6 +70,9 @@ class EngineConfig:
     cudagraph_mode: str = "NONE"
     capture_sizes: tuple[int, ...] = ()
     step_timeout_s: float = 60.0
+    # Speculative decoding (greedy verification; "ngram" = prompt lookup).
+    speculative_method: str = "none"
+    num_speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.capture_sizes = tuple(sorted(set(int(s) for s in self.capture_sizes)))
@@ -91,6 +94,10 @@ class EngineConfig:
         _choice("attention_backend", self.attention_backend, _BACKENDS)
         _choice("cudagraph_mode", self.cudagraph_mode, _MODES)
         _choice("world", self.world, _WORLDS)
+        _choice("speculative_method", self.speculative_method, ("none", "ngram"))
+        if self.speculative_method != "none" and not 1 <= self.num_speculative_tokens <= 8:
+            raise ConfigError(f"num_speculative_tokens: {self.num_speculative_tokens} is not within 1..8 "
+                              f"for speculative_method={self.speculative_method}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"device: {self.device!r} is neither 'cpu' nor 'cuda[:N]'")
         if self.attention_backend != "reference":

@@ -83,6 +83,12 @@ register("capture_metadata_baked",
          "seq_len 0), so the visible direction is more requests than at capture. Minimum: tp1pp1 "
          "graph, 1 request captures the size, a later step at that size holds 2.",
          needs="graph mode; a replay with more requests than its capture")
+register("spec_rollback_missing",
+         "Field note 10 (vLLM #49355, #52071): rejected draft tokens are not rolled back in "
+         "num_computed_tokens, so the next step computes from positions past the real sequence "
+         "end. Minimum: tp1pp1 with ngram drafting, 1 request whose prompt repeats a token (so a "
+         "draft exists) and a draft the model rejects.",
+         needs="speculative decoding with a rejected draft")
 
 
 class FaultSet:

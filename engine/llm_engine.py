@@ -14,7 +14,8 @@ import torch
 
 from engine.config import ConfigError, EngineConfig
 from engine.schedule import Schedule
-from engine.scheduler import Request, Scheduler, SchedulerOutput
+from engine.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
+from engine.spec_decode import NgramProposer, verify_greedy
 
 
 class EngineInvariantError(AssertionError):
@@ -37,6 +38,8 @@ class Trace:
     num_steps: int = 0
     num_preemptions: int = 0
     max_in_flight: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def output_token_ids(self) -> dict[str, list[int]]:
         return {rid: [t.token for t in recs] for rid, recs in self.tokens.items()}
@@ -63,6 +66,9 @@ class LLMEngine:
         if sc.max_num_batched_tokens > self.cfg.max_num_batched_tokens or sc.num_gpu_blocks > self.cfg.num_gpu_blocks:
             raise ConfigError("scheduler_config: budget or KV blocks exceed what the engine was built with")
         self.scheduler = Scheduler(sc)
+        self.faults = tuple(faults)
+        self.proposer = NgramProposer(self.cfg.num_speculative_tokens) \
+            if self.cfg.speculative_method == "ngram" else None
         self.in_flight: deque[tuple[SchedulerOutput, set[str]]] = deque()
         self.trace = Trace()
         self.step_count = 0
@@ -108,23 +114,43 @@ class LLMEngine:
         if set(out.req_ids) != expect:
             raise EngineInvariantError(f"microbatch {so.microbatch}: rank sampled {sorted(out.req_ids)}, "
                                        f"scheduler expected {sorted(expect)}")
-        tokens = {}
+        tokens, row = {}, 0
         for i, rid in enumerate(out.req_ids):
             req = self.scheduler.requests[rid]
             if out.num_tokens[rid] != req.num_tokens:
                 raise EngineInvariantError(f"request {rid}: output rank knew {out.num_tokens[rid]} "
                                            f"tokens, driver {req.num_tokens}")
-            idx = len(req.output_token_ids)
-            forced = req.forced_token_ids
-            tok = forced[idx] if forced is not None and idx < len(forced) else out.sampled_token_ids[i]
-            tokens[rid] = tok
-            self.trace.tokens[rid].append(TokenRecord(self.step_count, so.microbatch, out.logits[i],
-                                                      out.sampled_token_ids[i], tok))
-        finished = self.scheduler.update_from_output(so, tokens)
+            argmax = out.sampled_token_ids[i]
+            idx, forced = len(req.output_token_ids), req.forced_token_ids
+            targets = [forced[idx + j] if forced is not None and idx + j < len(forced) else argmax[j]
+                       for j in range(len(argmax))]
+            drafts = so.scheduled_spec_decode_tokens.get(rid, [])
+            tokens[rid] = verify_greedy(drafts, targets) if drafts else targets[:1]
+            self.trace.num_draft_tokens += len(drafts)
+            self.trace.num_accepted_tokens += len(tokens[rid]) - 1
+            for j, tok in enumerate(tokens[rid][:req.max_tokens - idx]):
+                self.trace.tokens[rid].append(TokenRecord(self.step_count, so.microbatch, out.logits[row + j],
+                                                          argmax[j], tok))
+            row += len(argmax)
+        finished = self.scheduler.update_from_output(so, tokens,
+                                                     rollback="spec_rollback_missing" not in self.faults)
+        self.propose_draft_token_ids(tokens)
         self.scheduler.kv.check_accounting()
         self.trace.num_steps = self.step_count
         self.trace.num_preemptions = self.scheduler.num_preemptions
         return finished
+
+    def propose_draft_token_ids(self, sampled: dict[str, list[int]]) -> None:
+        """Drafts for the next decode of each request that just sampled (n-gram lookup over
+        the verified tokens, so teacher forcing and every layout see the same drafts)."""
+        if self.proposer is None:
+            return
+        for rid in sampled:
+            req = self.scheduler.requests[rid]
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            room = min(req.max_tokens - len(req.output_token_ids) - 1, self.cfg.max_model_len - req.num_tokens)
+            req.spec_token_ids = self.proposer.propose(req.all_token_ids, max_k=room)
 
     def _agreed_output(self, outs: dict, microbatch: int):
         out = outs[self.output_rank]

@@ -34,8 +34,8 @@ class ModelRunnerOutput:
     microbatch: int
     rank: int
     req_ids: list[str]  # requests that sampled this step, in batch order
-    sampled_token_ids: list[int]
-    logits: torch.Tensor  # [len(req_ids), vocab] fp32 on CPU
+    sampled_token_ids: list[list[int]]  # per request: argmax of each of its logits rows
+    logits: torch.Tensor  # [sum(rows), vocab] fp32 on CPU; 1 row per request, 1 + k with drafts
     num_tokens: dict[str, int]  # per sampled request: tokens this rank knew (engine invariant)
 
 
@@ -51,6 +51,7 @@ class PreparedBatch:
     max_seq_len: int
     logits_indices: torch.Tensor
     sample_req_ids: list[str]
+    sample_rows: list[int]  # logits rows per sampled request (1 + number of drafts)
     num_tokens: dict[str, int]
 
 
@@ -152,7 +153,11 @@ class GPUModelRunner:
         ib = self.input_batch
         ib.clear()
         for rid, n in so.num_scheduled_tokens.items():
-            ib.add_request(self.requests[rid], n)
+            row = ib.add_request(self.requests[rid], n)
+            drafts = so.scheduled_spec_decode_tokens.get(rid)
+            if drafts:  # drafts are inputs of this step only, after the known tokens
+                N = ib.num_tokens[row]
+                ib.token_ids[row, N:N + len(drafts)] = torch.tensor(drafts, dtype=torch.int64)
         ib.reorder_batch(swap_block_table=not self.faults.on("reorder_partial_swap"))
         R = ib.num_reqs
         ns = torch.tensor(ib.num_scheduled[:R], dtype=torch.int64)
@@ -173,8 +178,11 @@ class GPUModelRunner:
         slots = bt[req_idx, pos // bs].to(torch.int64) * bs + pos % bs
         # Which rows sample: those whose scheduled tokens reach the end of what is known.
         ntok = torch.tensor(ib.num_tokens[:R], dtype=torch.int64)
-        samples = (seq_lens >= ntok).nonzero().squeeze(1)
-        sample_req_ids = [ib.req_ids[i] for i in samples.tolist()]
+        samples = (seq_lens >= ntok).nonzero().squeeze(1).tolist()
+        sample_req_ids = [ib.req_ids[i] for i in samples]
+        # One logits row per verified position: the last known token and each draft.
+        sample_rows = [1 + len(so.scheduled_spec_decode_tokens.get(rid, ())) for rid in sample_req_ids]
+        logits_indices = [int(cu[i + 1]) - r + j for i, r in zip(samples, sample_rows) for j in range(r)]
 
         self.input_ids.cpu[:T] = ib.token_ids[req_idx, pos]
         self.positions.cpu[:T] = pos
@@ -200,8 +208,9 @@ class GPUModelRunner:
             microbatch=so.microbatch, num_reqs=R, num_actual_tokens=T, num_padded_tokens=T_pad,
             num_reqs_padded=R_pad, graph=desc,
             max_query_len=int(ns.max()), max_seq_len=int(seq_lens.max()),
-            logits_indices=(cu[1:][samples] - 1).to(self.cfg.device), sample_req_ids=sample_req_ids,
-            num_tokens={ib.req_ids[i]: ib.num_tokens[i] for i in samples.tolist()})
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=self.cfg.device),
+            sample_req_ids=sample_req_ids, sample_rows=sample_rows,
+            num_tokens={ib.req_ids[i]: ib.num_tokens[i] for i in samples})
 
     # -- device phase ---------------------------------------------------------------------------
     def sync_and_slice_intermediate_tensors(self, recv: dict, num_tokens: int) -> IntermediateTensors:
@@ -318,5 +327,9 @@ class GPUModelRunner:
                 self._stale_logits = fresh
         if logits is None:
             return None
-        return ModelRunnerOutput(pb.microbatch, g.rank, pb.sample_req_ids,
-                                 logits.argmax(-1).tolist(), logits.cpu(), pb.num_tokens)
+        flat = logits.argmax(-1).tolist()
+        sampled, i = [], 0
+        for r in pb.sample_rows:
+            sampled.append(flat[i:i + r])
+            i += r
+        return ModelRunnerOutput(pb.microbatch, g.rank, pb.sample_req_ids, sampled, logits.cpu(), pb.num_tokens)

@@ -38,6 +38,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.in_flight = False
         self.num_preemptions = 0
+        self.spec_token_ids: list[int] = []  # drafts to verify at the next decode
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -79,6 +80,7 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]
     preempted_req_ids: set[str]
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -106,6 +108,7 @@ class Scheduler:
         num_sched: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
+        spec: dict[str, list[int]] = {}
 
         for req in list(self.running):
             if budget == 0:
@@ -115,11 +118,16 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if n <= 0:
                 continue
+            drafts = req.spec_token_ids[:budget - 1] if n == req.num_tokens - req.num_computed_tokens == 1 else []
+            n += len(drafts)
             new_blocks = self._allocate_or_preempt(req, req.num_computed_tokens + n, num_sched)
             if new_blocks is None:
                 continue
             num_sched[req.req_id] = n
             budget -= n
+            req.spec_token_ids = []
+            if drafts:
+                spec[req.req_id] = drafts
             cached.req_ids.append(req.req_id)
             cached.new_token_ids.append(req.all_token_ids[req.num_tokens_sent:])
             cached.new_block_ids.append(new_blocks)
@@ -152,7 +160,8 @@ class Scheduler:
             microbatch=self._next_microbatch, scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached, num_scheduled_tokens=num_sched,
             total_num_scheduled_tokens=sum(num_sched.values()),
-            finished_req_ids=self._finished_since_last, preempted_req_ids=self._preempted_since_last)
+            finished_req_ids=self._finished_since_last, preempted_req_ids=self._preempted_since_last,
+            scheduled_spec_decode_tokens=spec)
         self._finished_since_last, self._preempted_since_last = set(), set()
         self._next_microbatch += 1
         return out
@@ -181,19 +190,27 @@ class Scheduler:
         self._preempted_since_last.add(req.req_id)
         self.waiting.appendleft(req)
 
-    def update_from_output(self, sched: SchedulerOutput, sampled: dict[str, int]) -> list[str]:
-        """Append the tokens of requests that completed their known tokens; return the ids
-        that finished."""
+    def update_from_output(self, sched: SchedulerOutput, appended: dict[str, list[int]],
+                           rollback: bool = True) -> list[str]:
+        """Append each sampled request's verified tokens, roll back rejected drafts (their
+        positions were counted as computed at schedule time), return the ids that finished."""
         finished = []
         for rid in sched.num_scheduled_tokens:
             req = self.requests[rid]
             req.in_flight = False
-            if rid in sampled and req.status is RequestStatus.RUNNING:
-                req.output_token_ids.append(sampled[rid])
-                if req.is_finished:
-                    req.status = RequestStatus.FINISHED
-                    self.running.remove(req)
-                    self.kv.free(rid)
-                    self._finished_since_last.add(rid)
-                    finished.append(rid)
+            if rid not in appended or req.status is not RequestStatus.RUNNING:
+                continue
+            toks = appended[rid][:req.max_tokens - len(req.output_token_ids)]
+            drafts = sched.scheduled_spec_decode_tokens.get(rid, [])
+            if drafts and rollback:
+                # Positions computed: the last token and every draft. Valid: the last token
+                # and the accepted drafts (all appended tokens but the bonus one).
+                req.num_computed_tokens -= len(drafts) + 1 - len(appended[rid])
+            req.output_token_ids.extend(toks)
+            if req.is_finished:
+                req.status = RequestStatus.FINISHED
+                self.running.remove(req)
+                self.kv.free(rid)
+                self._finished_since_last.add(rid)
+                finished.append(rid)
         return finished

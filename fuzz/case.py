@@ -60,6 +60,8 @@ class Case:
             extra.append("sp")
         if self.config.broadcast_pp_output:
             extra.append("broadcast_pp_output")
+        if self.config.speculative_method != "none":
+            extra.append(f"spec={self.config.speculative_method}:{self.config.num_speculative_tokens}")
         if not self.schedule.is_default:
             extra.append(f"schedule={self.schedule.to_dict()}")
         if self.faults:

@@ -207,8 +207,8 @@ def load_dump(path: str | os.PathLike) -> Dump:
     except (OSError, ValueError) as e:
         raise DumpError(f"{p / CALL_JSON}: unreadable: {e}") from None
     if not isinstance(rec, dict) or rec.get("format") != FORMAT:
-        raise DumpError(f"{p / CALL_JSON}: not an FA guard dump (format {rec.get('format') if isinstance(rec, dict) else None!r}, "
-                        f"expected {FORMAT!r})")
+        found = rec.get("format") if isinstance(rec, dict) else None
+        raise DumpError(f"{p / CALL_JSON}: not an FA guard dump (format {found!r}, expected {FORMAT!r})")
     for key, typ in (("target", str), ("arguments", dict), ("check", dict), ("tensors", dict)):
         if not isinstance(rec.get(key), typ):
             raise DumpError(f"{p / CALL_JSON}: field {key!r} missing or not a {typ.__name__}")

@@ -55,6 +55,7 @@ def write_reproducer(out_dir: str, case: Case, prop: str, message: str,
             json.dump(doc, f, indent=1, sort_keys=True)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; reproducers are for everyone to read
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -45,6 +45,10 @@ def candidates(case: Case) -> Iterator[Case | None]:
         for field, simple in (("rank_order", "natural"), ("copy_delay", 0.0), ("prepare_ahead", 0.0), ("seed", 0)):
             if getattr(s, field) != simple:
                 yield replace(case, schedule=replace(s, **{field: simple}))
+    if cfg.speculative_method != "none":
+        yield _cfg(case, speculative_method="none", num_speculative_tokens=0)
+        if cfg.num_speculative_tokens > 1:
+            yield _cfg(case, num_speculative_tokens=1)
     for field, simple in (("sequence_parallel", False), ("broadcast_pp_output", False),
                           ("max_num_batched_tokens", 64), ("num_gpu_blocks", 96)):
         if getattr(cfg, field) != simple:

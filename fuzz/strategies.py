@@ -45,14 +45,18 @@ def tokens_from_seed(seed: int, length: int, vocab: int) -> tuple[int, ...]:
     return tuple(rng.randrange(vocab) for _ in range(length))
 
 
+REPETITIVE_ALPHABET = 3  # prompts over a few token ids repeat n-grams: drafts exist
+
+
 @st.composite
 def request_specs(draw, cfg: EngineConfig) -> RequestSpec:
     """One request: prompt around block/budget edges, a few output tokens, maybe late."""
     length = draw(prompt_lengths(cfg))
     seed = draw(st.integers(0, 2 ** 16))
+    alphabet = draw(st.sampled_from((cfg.vocab_size, REPETITIVE_ALPHABET)))
     max_tokens = draw(st.integers(1, min(8, cfg.max_model_len - length)))
     arrival = draw(st.one_of(st.just(0), st.integers(1, 6)))
-    return RequestSpec(tokens_from_seed(seed, length, cfg.vocab_size), max_tokens, arrival)
+    return RequestSpec(tokens_from_seed(seed, length, alphabet), max_tokens, arrival)
 
 
 @st.composite
@@ -89,8 +93,10 @@ def engine_configs(draw, layouts=DEFAULT_LAYOUTS, modes=("eager",), base: Engine
     if mode == "graph":
         # One size set: every captured (rank, size) pair is paid once per pooled engine.
         graph = dict(cudagraph_mode="FULL", capture_sizes=(4, 8, 16, 32))
+    method, k = draw(st.sampled_from((("none", 0), ("ngram", 2), ("ngram", 4))))
     return base.replace(tensor_parallel_size=tp, pipeline_parallel_size=pp, max_num_batched_tokens=budget,
-                        num_gpu_blocks=blocks, sequence_parallel=sp, broadcast_pp_output=bcast, **graph)
+                        num_gpu_blocks=blocks, sequence_parallel=sp, broadcast_pp_output=bcast,
+                        speculative_method=method, num_speculative_tokens=k, **graph)
 
 
 @st.composite
@@ -109,4 +115,6 @@ def cases(draw, layouts=DEFAULT_LAYOUTS, modes=("eager",), faults: tuple[str, ..
         event("arrivals while running")
     if not case.schedule.is_default:
         event("non-default schedule")
+    if cfg.speculative_method != "none":
+        event("speculative decoding")
     return case
