@@ -109,7 +109,10 @@ class InProcExecutor:
         return [r for rank in sorted(per_rank) for r in per_rank[rank]]
 
     def shutdown(self) -> None:
-        if self.world.broken is None:
+        # Graceful stop only when every rank is parked; a rank caught mid-step (Ctrl-C while
+        # the driver waited on it) is released and unwinds at its next wait instead.
+        parked = all(r.state in ("blocked", "done", "new", "ready") for r in self.world.ranks)
+        if self.world.broken is None and parked:
             self._broadcast(("stop",))
             try:
                 self.world.run_until(lambda: all(r.state == "done" for r in self.world.ranks), "stop")

@@ -11,6 +11,7 @@ never hangs.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from typing import Callable
 
@@ -134,9 +135,10 @@ class InProcWorld:
         self.stopping = True
         for r in self.ranks:
             r.go.set()
+        deadline = time.monotonic() + 2.0  # a hung rank stays behind as a daemon thread
         for r in self.ranks:
             if r.thread is not None and r.thread is not threading.current_thread():
-                r.thread.join(timeout=2.0)  # a hung rank stays behind as a daemon thread
+                r.thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 class InProcGroup(GroupCoordinator):

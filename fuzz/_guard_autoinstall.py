@@ -38,7 +38,7 @@ WATCHED = frozenset({
     "torch.nn.attention.varlen",
     "flash_attn", "flash_attn.flash_attn_interface",
     "vllm.vllm_flash_attn", "vllm.vllm_flash_attn.flash_attn_interface",
-    "engine.attention.reference", "engine.custom_ops",
+    "engine.attention.reference", "engine.custom_ops", "engine.attention.torch_flash",
 })
 
 # The one line of `llmfuzz_guard.pth` (the build hook in fuzz/guard_build.py writes this;

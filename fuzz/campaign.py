@@ -141,11 +141,16 @@ class Campaign:
         sys.stderr.write("\r" + line if tty else line + "\n")
         sys.stderr.flush()
 
-    def _record(self, v: Violation) -> None:
+    def _record(self, v: Violation, minimize: bool = True) -> None:
         """Finish a failure: simplify the layout and the rest further, write it, drop the
-        unshrunk file."""
-        if time.monotonic() < self._hard_deadline:
-            v = self._minimize(v)
+        unshrunk file. An interrupt during minimizing writes the smallest case so far."""
+        interrupted = False
+        if minimize and time.monotonic() < self._hard_deadline:
+            self._min_best = v
+            try:
+                v = self._minimize(v)
+            except KeyboardInterrupt:
+                v, interrupted = self._min_best, True
         case = v.case
         path = write_reproducer(self.out_dir, case, v.property, v.message, v.error_ratio)
         if self._first_path and self._first_path != path and os.path.exists(self._first_path):
@@ -156,6 +161,8 @@ class Campaign:
             self.summary.cells.setdefault((case.layout, case.mode), CellStats()).failures += 1
         if self.progress:
             sys.stderr.write(f"\nFOUND {v.property}: {v.message}\n  {case.describe()}\n  -> {path}\n")
+        if interrupted:
+            raise KeyboardInterrupt
 
     def _minimize(self, v: Violation) -> Violation:
         """Hypothesis shrank within one layout; try simpler layouts and options too."""
@@ -168,7 +175,7 @@ class Campaign:
                 self.harness.check(case)
             except Violation as w:
                 if w.property == v.property:
-                    best["v"] = w
+                    best["v"] = self._min_best = w
                     return True
             return False
 
@@ -181,6 +188,9 @@ class Campaign:
         # Shrinking may run past the budget by a bounded grace, then stops with what it has.
         self._hard_deadline = deadline + max(30.0, 0.5 * self.budget_s)
         self._first_path, self._smallest = None, None
+        sys.stderr.write(f"llmfuzz: campaign started: {len(self.layouts)} layout(s), modes {','.join(self.modes)}, "
+                         f"budget {self.budget_s:.0f}s\n")
+        sys.stderr.flush()
         i = 0
         try:
             while time.monotonic() < deadline:
@@ -214,7 +224,7 @@ class Campaign:
         except KeyboardInterrupt:
             self.summary.interrupted = True
             if self._smallest is not None:
-                self._record(self._smallest)
+                self._record(self._smallest, minimize=False)
         finally:
             self.summary.seconds = time.monotonic() - self._t0
             self._print_progress(force=True)

@@ -66,7 +66,8 @@ def cmd_run(args) -> int:
 
     profiles.load(args.profile)
     camp = Campaign(layouts=layouts, modes=modes, faults=tuple(args.fault), seed=args.seed,
-                    out_dir=args.out, budget_s=args.budget, stop_on_failure=bool(args.fault),
+                    out_dir=args.out, budget_s=args.budget,
+                    stop_on_failure=bool(args.fault) and not args.keep_going,
                     progress=not args.json and not args.quiet, base=base)
     summary = camp.run()
     if args.json:
@@ -210,6 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--layouts", default="", help="comma list, e.g. tp1pp1,tp2pp4,pp8 (default: all)")
     r.add_argument("--modes", default="eager,graph", help="comma list of modes (default eager,graph)")
     r.add_argument("--fault", action="append", default=[], help="switch a registry fault on (repeatable)")
+    r.add_argument("--keep-going", action="store_true",
+                   help="with --fault, keep fuzzing after the first failure (default: stop)")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--out", default="reproducers", help="reproducer directory (default reproducers/)")
     r.add_argument("--device", default="cpu")

@@ -12,8 +12,9 @@ What is wrapped (each when importable; a module imported after install() is patc
 moment its code has run): `flash_attn.flash_attn_varlen_func`,
 `vllm.vllm_flash_attn.flash_attn_varlen_func` (and the `flash_attn_interface` modules that
 define them), `torch.nn.attention.varlen.varlen_attn` / `varlen_attn_out`, and our
-reference backend `engine.attention.reference.varlen_attention` (also the name
-`engine.custom_ops` imported). Arguments are mapped onto `check_varlen_args` by parameter
+backends: `engine.attention.reference.varlen_attention` (also the name `engine.custom_ops`
+imported) and `engine.attention.torch_flash.torch_flash_varlen` (also its entry in that
+module's BACKENDS dict). Arguments are mapped onto `check_varlen_args` by parameter
 name from each function's own signature, so vLLM's different argument order and torch's
 `query`/`cu_seq_q`/`max_q` names need no per-version tables.
 
@@ -67,19 +68,21 @@ class FAGuardWarning(RuntimeWarning):
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """One entry point: `module.attr`, and the argument conventions of its family.
+    """One entry point: `module.attr` (or `module.attr[key]` for a function kept in a
+    module-level dict, a backend registry), and the argument conventions of its family.
 
-    style "flash_attn": flash-attn 2 / vLLM's fork (`causal` argument; fp16/bf16 on CUDA);
-    "torch": torch.nn.attention.varlen (causal iff window_size == (-1, 0));
-    "reference": our CPU/GPU reference backend (any float dtype, `tile_q`)."""
+    style "flash_attn": flash-attn 2, vLLM's fork, and any paged FA wrapper (a `causal`
+    argument; fp16/bf16 on CUDA); "torch": torch.nn.attention.varlen (causal iff
+    window_size == (-1, 0)); "reference": our reference backend (any float dtype, `tile_q`)."""
 
     module: str
     attr: str
     style: str = "flash_attn"
+    key: str | None = None
 
     @property
     def qualname(self) -> str:
-        return f"{self.module}.{self.attr}"
+        return f"{self.module}.{self.attr}" + ("" if self.key is None else f"[{self.key!r}]")
 
 
 TARGETS: tuple[Target, ...] = (
@@ -91,6 +94,11 @@ TARGETS: tuple[Target, ...] = (
     Target("torch.nn.attention.varlen", "varlen_attn_out", "torch"),
     Target("engine.attention.reference", "varlen_attention", "reference"),
     Target("engine.custom_ops", "varlen_attention", "reference"),
+    # Our GPU backend around torch.ops.aten._flash_attention_forward (custom_ops dispatches
+    # through the BACKENDS dict). Its "flash_attn" sibling calls flash_attn_varlen_func,
+    # which is wrapped itself.
+    Target("engine.attention.torch_flash", "torch_flash_varlen"),
+    Target("engine.attention.torch_flash", "BACKENDS", key="torch_flash"),
 )
 _STYLES = ("flash_attn", "torch", "reference")
 
@@ -312,7 +320,7 @@ class _State:
 _STATE: _State | None = None
 _LOCK = threading.RLock()
 _TARGETS: tuple[Target, ...] = TARGETS
-_PATCHES: list[tuple[types.ModuleType, str, object, object]] = []  # (module, attr, original, wrapper)
+_PATCHES: list[tuple[dict, str, object, object, str]] = []  # (namespace, key, original, wrapper, where)
 _WRAPPERS: dict[int, tuple[object, object]] = {}  # id(original) -> (original, wrapper)
 _UNGUARDABLE: dict[str, str] = {}  # qualname -> why its signature could not be mapped
 _MAX_SEEN = 10_000
@@ -326,19 +334,16 @@ def _check_call(spec: _Spec, args: tuple, kwargs: dict) -> None:
     if torch.compiler.is_compiling():
         st.skipped += 1  # traced code: no values, and the check must not enter the graph
         return
+    violation = None
     try:
         kw = spec.check_kwargs(args, kwargs)
-    except _Unbound:
-        st.skipped += 1
-        return
-    q, cu = kw["q"], kw["cu_seqlens_q"]
-    host_only = not st.check_device_values
-    if not host_only and isinstance(q, torch.Tensor):
-        if _is_fake(q) or (isinstance(cu, torch.Tensor) and _is_fake(cu)):
-            host_only = True
-        elif q.is_cuda and torch.cuda.is_current_stream_capturing():
-            host_only = True  # a device-to-host copy here would break (or invalidate) the capture
-    try:
+        q, cu = kw["q"], kw["cu_seqlens_q"]
+        host_only = not st.check_device_values
+        if not host_only and isinstance(q, torch.Tensor):
+            if _is_fake(q) or (isinstance(cu, torch.Tensor) and _is_fake(cu)):
+                host_only = True
+            elif q.is_cuda and torch.cuda.is_current_stream_capturing():
+                host_only = True  # a device-to-host copy would break (or invalidate) the capture
         if host_only:
             st.host_only_checks += 1
             check_varlen_shapes(**kw)
@@ -346,12 +351,18 @@ def _check_call(spec: _Spec, args: tuple, kwargs: dict) -> None:
             st.full_checks += 1
             check_varlen_args(**kw)
     except FAInvariantError as e:
-        _violation(st, spec, e, args, kwargs, kw, host_only)
+        violation = e
+    except _Unbound:  # the original raises its own TypeError
+        st.skipped += 1
+        return
     except Exception as e:  # a bug of ours must not take the engine down
         st.internal_errors += 1
         if st.internal_errors == 1:
             warnings.warn(f"FA guard: checking {spec.qualname} failed: {type(e).__name__}: {e}",
                           FAGuardWarning, stacklevel=3)
+        return
+    if violation is not None:  # handled outside the except block: no chained traceback
+        _violation(st, spec, violation, args, kwargs, kw, host_only)
 
 
 def _violation(st: _State, spec: _Spec, err: FAInvariantError, args: tuple, kwargs: dict,
@@ -423,9 +434,9 @@ def _wrapper_for(original, target: Target):
     return wrapper
 
 
-def _set(module, attr: str, original, wrapper) -> None:
-    setattr(module, attr, wrapper)
-    _PATCHES.append((module, attr, original, wrapper))
+def _set(namespace: dict, key: str, original, wrapper, where: str) -> None:
+    namespace[key] = wrapper
+    _PATCHES.append((namespace, key, original, wrapper, where))
 
 
 def _patch_available() -> None:
@@ -434,22 +445,28 @@ def _patch_available() -> None:
     new: dict[int, tuple[object, object]] = {}
     for t in _TARGETS:
         mod = sys.modules.get(t.module)
-        if mod is None:
+        namespace = getattr(mod, "__dict__", None)
+        if not isinstance(namespace, dict):
             continue
-        original = vars(mod).get(t.attr, _MISSING) if hasattr(mod, "__dict__") else _MISSING
+        slot = t.attr
+        if t.key is not None:
+            namespace, slot = namespace.get(t.attr), t.key
+            if not isinstance(namespace, dict):
+                continue
+        original = namespace.get(slot, _MISSING)
         if original is _MISSING or not callable(original) or is_wrapper(original):
             continue
         wrapper = _wrapper_for(original, t)
         if wrapper is None:
             continue
-        _set(mod, t.attr, original, wrapper)
+        _set(namespace, slot, original, wrapper, t.qualname)
         new[id(original)] = (original, wrapper)
     if new:
         _sweep(new)
 
 
 def _sweep(new: dict[int, tuple[object, object]]) -> None:
-    for mod in list(sys.modules.values()):
+    for name, mod in list(sys.modules.items()):
         if not isinstance(mod, types.ModuleType):
             continue
         d = getattr(mod, "__dict__", None)
@@ -458,7 +475,7 @@ def _sweep(new: dict[int, tuple[object, object]]) -> None:
         for attr, value in list(d.items()):
             hit = new.get(id(value))
             if hit is not None and hit[0] is value:
-                _set(mod, attr, value, hit[1])
+                _set(d, attr, value, hit[1], f"{name}.{attr}")
 
 
 def _on_import(name: str) -> None:
@@ -505,10 +522,9 @@ def uninstall() -> dict:
     with _LOCK:
         _hook.unwatch()
         restored, left = [], []
-        for module, attr, original, wrapper in reversed(_PATCHES):
-            where = f"{module.__name__}.{attr}"
-            if vars(module).get(attr, _MISSING) is wrapper:
-                setattr(module, attr, original)
+        for namespace, key, original, wrapper, where in reversed(_PATCHES):
+            if namespace.get(key, _MISSING) is wrapper:
+                namespace[key] = original
                 restored.append(where)
             else:
                 left.append(where)
@@ -549,7 +565,7 @@ def status() -> dict:
     module globals found by the sweep, targets not imported (yet), unguardable ones."""
     st = _STATE
     targets = {t.qualname for t in _TARGETS}
-    patched = [f"{m.__name__}.{a}" for m, a, _, _ in _PATCHES]
+    patched = [where for *_, where in _PATCHES]
     done = {p for p in patched if p in targets}
     return {"installed": st is not None, "mode": st.mode if st else None,
             "dump_dir": st.dump_dir if st else None,

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 FORMAT = "llmfuzz-fa-guard-dump/1"
+EXIT_OK, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2  # as fuzz/cli.py
 CALL_JSON = "call.json"
 SAFETENSORS_FILE = "tensors.safetensors"
 NPY_DIR = "tensors"
@@ -346,15 +347,15 @@ def check_fa(path: str | os.PathLike) -> list[dict]:
 
 
 def cmd_check_fa(args) -> int:
-    """`llmfuzz check-fa DIR`: 0 every dump passes, 1 one shows a violation, 2 bad dir."""
-    from fuzz.cli import EXIT_FAIL, EXIT_OK, BadInput
-
+    """`llmfuzz check-fa DIR`: 0 every dump passes, 1 one shows a violation, 2 bad dir (one
+    line on stderr, like fuzz/cli.py's BadInput, before anything is checked)."""
     try:
         results = check_fa(args.dir)
     except DumpError as e:
-        raise BadInput(str(e)) from None
+        print(f"llmfuzz: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     if args.json:
-        print(json.dumps(results if len(results) > 1 else results[0], indent=1))
+        print(json.dumps(results, indent=1))
     else:
         for r in results:
             if r["violation"]:
@@ -380,18 +381,12 @@ def add_check_fa_parser(subparsers) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m fuzz.guard_dump DIR`: check-fa without the llmfuzz CLI."""
-    from fuzz.cli import EXIT_BAD_INPUT, BadInput
-
     p = argparse.ArgumentParser(prog="python -m fuzz.guard_dump")
     sub = p.add_subparsers(dest="cmd", required=True)
     add_check_fa_parser(sub)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv if argv[:1] == ["check-fa"] else ["check-fa", *argv])
-    try:
-        return args.fn(args)
-    except BadInput as e:
-        print(f"llmfuzz: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    return args.fn(args)
 
 
 if __name__ == "__main__":
