@@ -186,7 +186,7 @@ class Campaign:
         self._t0 = time.monotonic()
         deadline = self._deadline = self._t0 + self.budget_s
         # Shrinking may run past the budget by a bounded grace, then stops with what it has.
-        self._hard_deadline = deadline + max(30.0, 0.5 * self.budget_s)
+        self._hard_deadline = deadline + max(60.0, 0.5 * self.budget_s)
         self._first_path, self._smallest = None, None
         sys.stderr.write(f"llmfuzz: campaign started: {len(self.layouts)} layout(s), modes {','.join(self.modes)}, "
                          f"budget {self.budget_s:.0f}s\n")

@@ -60,7 +60,7 @@ def cmd_run(args) -> int:
     for f in args.fault:
         if f not in FAULTS:
             raise BadInput(f"--fault: unknown fault {f!r} (see `llmfuzz faults`)")
-    if args.budget <= 0:
+    if not 0 < args.budget < float("inf"):
         raise BadInput(f"--budget: {args.budget} is not a positive number of seconds")
     from fuzz import profiles
 
@@ -170,7 +170,7 @@ def cmd_selftest(args) -> int:
     for f in names:
         if f not in FAULTS:
             raise BadInput(f"--fault: unknown fault {f!r} (see `llmfuzz faults`)")
-    if args.budget_per_fault <= 0:
+    if not 0 < args.budget_per_fault < float("inf"):
         raise BadInput(f"--budget-per-fault: {args.budget_per_fault} is not a positive number of seconds")
     profiles.load(args.profile)
     results = run_selftest(names, args.budget_per_fault, args.out, args.seed, progress=not args.json)
@@ -245,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--requests", type=int, default=8)
     g.add_argument("--json", action="store_true")
     g.set_defaults(fn=cmd_generate)
+    from fuzz.guard_dump import add_check_fa_parser
+
+    add_check_fa_parser(sub)
     return p
 
 

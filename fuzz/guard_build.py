@@ -10,6 +10,10 @@ install (`pip install -e .`, setuptools >= 64) it writes it into the editable wh
 setuptools' own `__editable__.*.pth`. Its content is `fuzz._guard_autoinstall.PTH_LINE`,
 so an sdist needs no extra MANIFEST entry. pip records it, so uninstalling removes it.
 
+The build imports this module in the (isolated) build environment, which has setuptools
+but not torch: `fuzz/__init__.py` and `fuzz/_guard_autoinstall.py` must stay free of
+third-party imports.
+
 pyproject.toml:
 
     [tool.setuptools.cmdclass]

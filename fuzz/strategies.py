@@ -25,8 +25,9 @@ FUZZ_MODEL = EngineConfig(
 DEFAULT_LAYOUTS = ("tp1pp1", "tp2pp1", "tp1pp2", "tp2pp2", "tp1pp4", "tp2pp4", "tp1pp8",
                    "tp4pp2", "tp8pp1", "tp1pp3", "tp2pp3", "tp4pp1")
 # Campaigns visit layouts round robin in this order: the field's trouble spots come early.
-CAMPAIGN_ORDER = ("tp1pp1", "tp2pp4", "tp1pp8", "tp2pp1", "tp1pp2", "tp4pp2", "tp8pp1", "tp2pp2",
-                  "tp1pp3", "tp2pp3", "tp1pp4", "tp4pp1")
+# (uneven splits and tp x pp mixes come before the plain ones).
+CAMPAIGN_ORDER = ("tp1pp1", "tp2pp4", "tp1pp8", "tp1pp3", "tp2pp2", "tp1pp2", "tp4pp2", "tp8pp1",
+                  "tp2pp1", "tp2pp3", "tp1pp4", "tp4pp1")
 MODES = ("eager", "graph")
 IMPLEMENTED_MODES = ("eager", "graph")
 
