@@ -248,6 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
     from fuzz.guard_dump import add_check_fa_parser
 
     add_check_fa_parser(sub)
+    from fuzz.bench import add_bench_parser
+
+    add_bench_parser(sub)
     return p
 
 

@@ -1,0 +1,134 @@
+"""`llmfuzz bench [--json] [--quick]`: the fuzzer's own speed, measured on this machine.
+
+Figures (each a median of several runs where it is cheap enough):
+- examples/s per layout x mode (in-process world; the campaign's own accounting);
+- harness overhead: wall time per fuzz example divided by the engine work of the same Cases
+  run bare (engine steps only: no reference run, no properties, no Hypothesis);
+- `pytest -n 2` speed-up over `-n 1` on a slice of the property tests;
+- time to first detection and total time (incl. shrinking) for a few faults;
+- peak resident memory of this process and of its children.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CELLS = (("tp1pp1", "eager"), ("tp1pp1", "graph"), ("tp2pp4", "eager"), ("tp1pp8", "eager"),
+         ("tp1pp8", "graph"), ("tp8pp1", "eager"))
+BENCH_FAULTS = ("pp_stale_new_token_ids", "graph_stale_max_seqlen", "intermediate_copy_unsynced")
+
+
+def _examples_per_s(layout: str, mode: str, budget: float, harness) -> tuple[dict, list]:
+    from fuzz.campaign import Campaign
+
+    seen = []
+    camp = Campaign(layouts=(layout,), modes=(mode,), budget_s=budget, progress=False, harness=harness,
+                    out_dir=os.path.join("bench-out", "reproducers"))
+    orig = camp._body
+
+    def body(case):
+        n0 = camp.summary.examples
+        try:
+            return orig(case)
+        finally:
+            if camp.summary.examples > n0:  # examples skipped past the deadline do not count
+                seen.append(case)
+    camp._body = body
+    s = camp.run()
+    return {"layout": layout, "mode": mode, "examples": s.examples, "seconds": round(s.seconds, 2),
+            "examples_per_s": round(s.examples / s.seconds, 3) if s.seconds else None,
+            "failures": len(s.failures)}, seen
+
+
+def _bare_seconds(cases: list, harness) -> float:
+    """Engine steps only, on the same warm engines: the denominator of the overhead."""
+    from fuzz.harness import drive
+
+    t0 = time.perf_counter()
+    for case in cases:
+        drive(harness.pool.get(case.config), case, case.schedule, case.faults, None)
+    return time.perf_counter() - t0
+
+
+def _pytest_speedup(quick: bool) -> dict:
+    sel = "tp1pp1 or tp1pp2" if quick else "tp1pp1 or tp1pp2 or tp2pp2 or tp1pp4"
+    out = {}
+    for n in (1, 2):
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", str(n),
+               os.path.join(REPO, "tests", "fuzz", "test_properties.py"), "-k", sel]
+        t0 = time.perf_counter()
+        r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=dict(os.environ, LLMFUZZ_PROFILE="ci"))
+        out[f"n{n}_seconds"] = round(time.perf_counter() - t0, 2)
+        out[f"n{n}_ok"] = r.returncode == 0
+    out["speedup"] = round(out["n1_seconds"] / out["n2_seconds"], 2) if out["n2_seconds"] else None
+    out["selection"] = sel
+    return out
+
+
+def run_bench(quick: bool = False, progress: bool = True) -> dict:
+    from fuzz import profiles
+    from fuzz.harness import Harness
+    from fuzz.selftest import run_selftest
+
+    profiles.load("dev")
+    budget = 8.0 if quick else 20.0
+    t_all = time.perf_counter()
+    harness = Harness()
+    cells, overhead = [], []
+    try:
+        for layout, mode in CELLS:
+            # Warm-up pass (engine start-up, graph capture), then the measured pass.
+            _examples_per_s(layout, mode, 3.0, harness)
+            cell, cases = _examples_per_s(layout, mode, budget, harness)
+            cells.append(cell)
+            bare = _bare_seconds(cases, harness) if cases else 0.0
+            if bare > 0:
+                per_example = cell["seconds"] / len(cases)
+                cell["bare_engine_s_per_example"] = round(bare / len(cases), 4)
+                cell["harness_overhead"] = round(per_example / (bare / len(cases)), 2)
+                overhead.append(cell["harness_overhead"])
+            if progress:
+                print(json.dumps(cell), file=sys.stderr)
+    finally:
+        harness.close()
+    faults = run_selftest(list(BENCH_FAULTS), budget_per_fault=30.0 if quick else 60.0,
+                          out_dir=os.path.join("bench-out", "faults"), progress=False)
+    speed = _pytest_speedup(quick)
+    me = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    return {
+        "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+        "examples_per_s": cells,
+        "harness_overhead_median": statistics.median(overhead) if overhead else None,
+        "detection": [{"fault": r.name, "detected": r.detected, "seconds_to_first_failure": r.seconds,
+                       "examples": r.examples, "seconds_incl_shrink": r.total_seconds,
+                       "shrunk_requests": r.requests, "shrunk_tokens": r.tokens, "layout": r.layout}
+                      for r in faults],
+        "pytest_parallel": speed,
+        "peak_rss_mb": {"self": round(me, 1), "children": round(kids, 1)},
+        "seconds": round(time.perf_counter() - t_all, 1),
+    }
+
+
+def cmd_bench(args) -> int:
+    res = run_bench(quick=args.quick, progress=not args.json)
+    text = json.dumps(res, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    print(text)
+    return 0
+
+
+def add_bench_parser(sub) -> None:
+    b = sub.add_parser("bench", help="measure examples/s, harness overhead, detection times (JSON)")
+    b.add_argument("--json", action="store_true", help="no progress lines, JSON only")
+    b.add_argument("--quick", action="store_true", help="shorter budgets (about 3 minutes)")
+    b.add_argument("--out", default="", help="also write the JSON here")
+    b.set_defaults(fn=cmd_bench)

@@ -1,0 +1,96 @@
+"""Write one minimal reproducer per registry fault to reproducers/faults/<fault>.json.
+
+Each seed Case below is a hand-made small Case where the fault is reachable; it is then
+minimized with `fuzz.shrink.minimize` against "still fails with the same property", and
+checked to pass with the fault off. Run: `python scripts/make_fault_reproducers.py`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import replace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from engine.schedule import Schedule  # noqa: E402
+from fuzz.case import Case, RequestSpec, Workload  # noqa: E402
+from fuzz.harness import Harness  # noqa: E402
+from fuzz.properties import Violation  # noqa: E402
+from fuzz.reproduce import write_reproducer  # noqa: E402
+from fuzz.shrink import minimize  # noqa: E402
+from fuzz.strategies import FUZZ_MODEL  # noqa: E402
+
+
+def R(n: int, max_tokens: int = 2, arrival: int = 0, tok: int = 1) -> RequestSpec:
+    return RequestSpec(tuple((tok + i) % 128 for i in range(n)), max_tokens, arrival)
+
+
+G = dict(cudagraph_mode="FULL", capture_sizes=(4, 8, 16, 32))
+SEEDS = {
+    "graph_stale_max_seqlen": Case(FUZZ_MODEL.replace(**G), Workload((R(2), R(10, 1, 1)))),
+    "pp_shared_staging_buffer": Case(FUZZ_MODEL.replace(layout="tp1pp2", max_num_batched_tokens=5),
+                                     Workload((R(3), R(9), R(2))),
+                                     Schedule(seed=1, copy_delay=0.9, prepare_ahead=1.0)),
+    "stale_query_start_loc_tail": Case(FUZZ_MODEL.replace(**G), Workload((R(1),))),
+    "sp_residual_copy_len": Case(FUZZ_MODEL.replace(layout="tp2pp2", sequence_parallel=True), Workload((R(2),))),
+    "intermediate_copy_unsynced": Case(FUZZ_MODEL.replace(layout="tp1pp2"), Workload((R(1),))),
+    "pp_uneven_partition": Case(FUZZ_MODEL.replace(layout="tp1pp3"), Workload((R(1),))),
+    "pp_allgather_non_replicated": Case(FUZZ_MODEL.replace(layout="tp2pp2", sequence_parallel=True),
+                                        Workload((R(2),))),
+    "pp_logits_not_broadcast": Case(FUZZ_MODEL.replace(layout="tp1pp2", broadcast_pp_output=True),
+                                    Workload((R(1),))),
+    "reorder_partial_swap": Case(FUZZ_MODEL.replace(max_num_batched_tokens=16, **G),
+                                 Workload((RequestSpec(tuple(range(1, 22)), 1, 0), R(1, 1)))),
+    "pp_stale_new_token_ids": Case(FUZZ_MODEL.replace(layout="tp1pp2"), Workload((R(1),))),
+    "capture_metadata_baked": Case(FUZZ_MODEL.replace(**G), Workload((R(1, 3), R(2, 2, 1)))),
+    "spec_rollback_missing": Case(FUZZ_MODEL.replace(speculative_method="ngram", num_speculative_tokens=1),
+                                  Workload((RequestSpec((1, 1, 1), 3, 0),))),
+}
+
+
+def main() -> int:
+    out = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "reproducers", "faults")
+    h = Harness()
+    ok = True
+    try:
+        for fault, seed in SEEDS.items():
+            if fault not in sys.argv[1:] and len(sys.argv) > 1:
+                continue
+            case = replace(seed, faults=(fault,))
+            try:
+                h.check(case)
+                print(f"{fault}: seed case does not fail", flush=True)
+                ok = False
+                continue
+            except Violation as v:
+                prop = v.property
+            last = {}
+
+            def still_fails(c) -> bool:
+                try:
+                    h.check(c)
+                    return False
+                except Violation as w:
+                    if w.property == prop:
+                        last["v"] = w
+                        return True
+                    return False
+
+            small, checks = minimize(case, still_fails, max_checks=1000)
+            still_fails(small)
+            h.check(replace(small, faults=()))  # passes with the fault off
+            v = last["v"]
+            path = write_reproducer(out, small, v.property, v.message, v.error_ratio)
+            final = os.path.join(out, f"{fault}.json")
+            os.replace(path, final)
+            os.rmdir(os.path.dirname(path)) if not os.listdir(os.path.dirname(path)) else None
+            print(json.dumps({"fault": fault, "checks": checks, "case": small.describe(), "property": v.property}),
+                  flush=True)
+    finally:
+        h.close()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
