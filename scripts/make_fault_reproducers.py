@@ -28,7 +28,7 @@ def R(n: int, max_tokens: int = 2, arrival: int = 0, tok: int = 1) -> RequestSpe
 
 G = dict(cudagraph_mode="FULL", capture_sizes=(4, 8, 16, 32))
 SEEDS = {
-    "graph_stale_max_seqlen": Case(FUZZ_MODEL.replace(**G), Workload((R(2), R(10, 1, 1)))),
+    "graph_stale_max_seqlen": Case(FUZZ_MODEL.replace(**G), Workload((R(1, 2),))),
     "pp_shared_staging_buffer": Case(FUZZ_MODEL.replace(layout="tp1pp2", max_num_batched_tokens=5),
                                      Workload((R(3), R(9), R(2))),
                                      Schedule(seed=1, copy_delay=0.9, prepare_ahead=1.0)),
@@ -45,7 +45,7 @@ SEEDS = {
     "pp_stale_new_token_ids": Case(FUZZ_MODEL.replace(layout="tp1pp2"), Workload((R(1),))),
     "capture_metadata_baked": Case(FUZZ_MODEL.replace(**G), Workload((R(1, 3), R(2, 2, 1)))),
     "spec_rollback_missing": Case(FUZZ_MODEL.replace(speculative_method="ngram", num_speculative_tokens=1),
-                                  Workload((RequestSpec((1, 1, 1), 3, 0),))),
+                                  Workload((RequestSpec(tuple(range(40)), 4, 0),))),
 }
 
 
