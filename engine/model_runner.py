@@ -275,10 +275,12 @@ class GPUModelRunner:
 
         q = torch.empty(T, self.model.layers[self.model.start].num_heads, self.cfg.head_dim,
                         dtype=self.cfg.torch_dtype(), device="meta")
+        # The device buffers, not the host staging: with PP the host may already have
+        # prepared the next microbatch into the staging buffers.
         for layer, (k_cache, _) in self.kv_caches.items():
             self.sink.records.append(_record(
-                self.sink, layer, q, k_cache, self.query_start_loc.cpu[:R + 1], self.seq_lens.cpu[:R],
-                self.input_batch.block_table.table[:R], self.slot_mapping.cpu[:T], baked[0], baked[1]))
+                self.sink, layer, q, k_cache, self.query_start_loc.gpu[:R + 1], self.seq_lens.gpu[:R],
+                self.block_table[:R], self.slot_mapping.gpu[:T], baked[0], baked[1]))
 
     def execute(self, pb: PreparedBatch) -> ModelRunnerOutput | None:
         g, cfg, m = self.g, self.cfg, self.model

@@ -64,8 +64,8 @@ def cmd_run(args) -> int:
         raise BadInput(f"--budget: {args.budget} is not a positive number of seconds")
     from fuzz import profiles
 
-    profiles.load(args.profile)
-    camp = Campaign(layouts=layouts, modes=modes, faults=tuple(args.fault), seed=args.seed,
+    profile = profiles.load(args.profile)
+    camp = Campaign(use_database=profile in ("nightly", "repro"), layouts=layouts, modes=modes, faults=tuple(args.fault), seed=args.seed,
                     out_dir=args.out, budget_s=args.budget,
                     stop_on_failure=bool(args.fault) and not args.keep_going,
                     progress=not args.json and not args.quiet, base=base)
@@ -251,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     from fuzz.bench import add_bench_parser
 
     add_bench_parser(sub)
+    from fuzz.report import add_report_parser
+
+    add_report_parser(sub)
     return p
 
 

@@ -60,12 +60,14 @@ def _rate(summary: dict) -> float | None:
 
 # -- SVG plots --------------------------------------------------------------------------
 
-def _nice_max(v: float) -> float:
-    """The smallest 1, 2 or 5 × 10^k at or above v (axis top)."""
-    if v <= 0 or not math.isfinite(v):
-        return 1.0
-    e = 10 ** math.floor(math.log10(v))
-    return next(m * e for m in (1, 2, 5, 10) if m * e >= v * (1 - 1e-9))
+def _axis(vmax: float, ticks: int = 4) -> tuple[float, float]:
+    """(top, step) of a value axis: step is 1, 2 or 5 × 10^k, about `ticks` steps up to vmax."""
+    if not vmax > 0 or not math.isfinite(vmax):
+        return 1.0, 0.25
+    raw = vmax / ticks
+    e = 10 ** math.floor(math.log10(raw))
+    step = next(m * e for m in (1, 2, 5, 10) if m * e >= raw * (1 - 1e-9))
+    return step * math.ceil(vmax / step - 1e-9), step
 
 
 def _t(x: float, y: float, text: str, size: int = 11, anchor: str = "middle", extra: str = "") -> str:
@@ -83,43 +85,48 @@ def _svg(w: int, h: int, title: str, body: list[str]) -> str:
 def grouped_bar_svg(title: str, groups: list[str], series: list[str], values: dict, unit: str = "",
                     flagged: set | None = None) -> str:
     """Vertical bars: one group per x label, one bar per series; values[(group, series)].
-    Bars in `flagged` get a red outline (cells with failures)."""
+    Bars in `flagged` (cells with failures) get a red outline and a red ✗ above them."""
     flagged = flagged or set()
-    gw = max(34, 16 + 22 * len(series))
-    left, right, top, bottom = 56, 16, 40, 58
-    w, h = max(360, left + right + gw * len(groups)), 300
+    gw = max(56, 20 + 24 * len(series))
+    left, right, top, bottom = 56, 16, 52, 58
+    w, h = max(480, left + right + gw * len(groups)), 320
     ph = h - top - bottom
-    top_v = _nice_max(max([v for v in values.values() if v is not None] or [0]))
-    body = [_t(left, 18, title, 13, "start", ' font-weight="bold"')]
-    for i in range(5):
-        v = top_v * i / 4
-        y = top + ph - ph * i / 4
+    top_v, step = _axis(max([v for v in values.values() if v is not None] or [0]))
+    body = [_t(8, 16, title, 13, "start", ' font-weight="bold"')]
+    colors = {s: MODE_COLORS.get(s, OTHER_COLORS[i % len(OTHER_COLORS)]) for i, s in enumerate(series)}
+    for si, s in enumerate(series):
+        lx = left + 80 * si
+        body.append(f'<rect x="{lx}" y="26" width="10" height="10" fill="{colors[s]}"/>')
+        body.append(_t(lx + 14, 35, s, 11, "start"))
+    if flagged:
+        lx = left + 80 * len(series)
+        body.append(_t(lx, 35, "✗ failures", 11, "start", f' fill="{FAIL}"'))
+    for i in range(int(round(top_v / step)) + 1):
+        v = step * i
+        y = top + ph - ph * v / top_v
         body.append(f'<line x1="{left}" x2="{w - right}" y1="{y:.1f}" y2="{y:.1f}" stroke="#ddd"/>')
         body.append(_t(left - 6, y + 4, f"{v:g}", 10, "end"))
     if unit:
         body.append(_t(14, top + ph / 2, unit, 10, "middle", f' transform="rotate(-90 14 {top + ph / 2:.1f})"'))
-    colors = {s: MODE_COLORS.get(s, OTHER_COLORS[i % len(OTHER_COLORS)]) for i, s in enumerate(series)}
     bw = (gw - 12) / max(1, len(series))
     for gi, g in enumerate(groups):
         x0 = left + gi * gw + 6
         for si, s in enumerate(series):
             v = values.get((g, s))
             x = x0 + si * bw
+            bh = 0 if v is None else ph * v / top_v
             if v is None:
                 body.append(_t(x + bw / 2, top + ph - 3, "–", 10, extra=' fill="#999"'))
-                continue
-            bh = ph * v / top_v
-            stroke = f' stroke="{FAIL}" stroke-width="2.5"' if (g, s) in flagged else ""
-            tip = f"{g} {s}: {_num(v)} {unit}" + (" (failures)" if (g, s) in flagged else "")
-            body.append(f'<rect x="{x + 1:.1f}" y="{top + ph - bh:.1f}" width="{bw - 2:.1f}" '
-                        f'height="{max(bh, 0.5):.1f}" fill="{colors[s]}"{stroke}>'
-                        f"<title>{html.escape(tip)}</title></rect>")
+            else:
+                stroke = f' stroke="{FAIL}" stroke-width="2.5"' if (g, s) in flagged else ""
+                tip = f"{g} {s}: {_num(v)} {unit}" + (" (failures)" if (g, s) in flagged else "")
+                body.append(f'<rect x="{x + 1:.1f}" y="{top + ph - bh:.1f}" width="{bw - 2:.1f}" '
+                            f'height="{max(bh, 0.5):.1f}" fill="{colors[s]}"{stroke}>'
+                            f"<title>{html.escape(tip)}</title></rect>")
+            if (g, s) in flagged:
+                body.append(_t(x + bw / 2, top + ph - bh - (16 if v is None else 4), "✗", 12, extra=f' fill="{FAIL}"'))
         gx = left + gi * gw + gw / 2
         body.append(_t(gx, top + ph + 14, g, 10, "end", f' transform="rotate(-35 {gx:.1f} {top + ph + 14:.1f})"'))
-    for si, s in enumerate(series):
-        lx = w - right - 90 * (len(series) - si)
-        body.append(f'<rect x="{lx}" y="8" width="10" height="10" fill="{colors[s]}"/>')
-        body.append(_t(lx + 14, 17, s, 11, "start"))
     return _svg(w, h, title, body)
 
 
@@ -129,12 +136,13 @@ def hbar_svg(title: str, rows: list[tuple[str, float | None, str, str]], unit: s
     right, top, rh = 70, 32, 20
     w, h = left + 360 + right, top + rh * max(1, len(rows)) + 24
     pw = w - left - right
-    top_v = _nice_max(max([r[1] for r in rows if r[1] is not None] or [0]))
+    top_v, step = _axis(max([r[1] for r in rows if r[1] is not None] or [0]))
     body = [_t(8, 18, title, 13, "start", ' font-weight="bold"')]
-    for i in range(5):
-        x = left + pw * i / 4
+    n = int(round(top_v / step))
+    for i in range(n + 1):
+        x = left + pw * i / n
         body.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{top - 4}" y2="{h - 20}" stroke="#ddd"/>')
-        body.append(_t(x, h - 6, f"{top_v * i / 4:g}" + (f" {unit}" if i == 4 and unit else ""), 10))
+        body.append(_t(x, h - 6, f"{step * i:g}" + (f" {unit}" if i == n and unit else ""), 10))
     for i, (label, v, color, note) in enumerate(rows):
         y = top + i * rh
         body.append(_t(left - 6, y + 13, label, 11, "end"))
@@ -173,12 +181,16 @@ td:first-child,th:first-child,td.l{text-align:left}.bad{color:#c0392b;font-weigh
 .banner{padding:8px 12px;border-radius:4px;font-weight:bold}.banner.bad{background:#fdecea}
 .banner.good{background:#e8f5e9}code,pre{background:#f4f4f4;padding:2px 4px}pre{padding:8px;white-space:pre-wrap}
 .failure{border-left:4px solid #c0392b;padding:4px 12px;margin:12px 0}.plot{margin:12px 0;overflow-x:auto}
-.note{color:#666}"""
+.note{color:#666}.path{font-family:monospace;font-size:11px;word-break:break-all;max-width:280px}"""
+
+
+class _Cell(str):
+    """A table cell that is already HTML (`<td ...>...</td>`); plain strings are escaped."""
 
 
 def _table(head: list[str], rows: list[list[str]]) -> str:
     th = "".join(f"<th>{html.escape(c)}</th>" for c in head)
-    trs = "".join("<tr>" + "".join(c if c.startswith("<td") else f"<td>{html.escape(c)}</td>" for c in r)
+    trs = "".join("<tr>" + "".join(c if isinstance(c, _Cell) else f"<td>{html.escape(c)}</td>" for c in r)
                   + "</tr>" for r in rows)
     return f"<table><tr>{th}</tr>{trs}</table>"
 
@@ -187,7 +199,8 @@ def _campaign_html(summary: dict) -> list[str]:
     fails = summary.get("failure_details") or []
     n_fail = summary.get("failures", len(fails))
     out = [f'<p class="banner {"bad" if n_fail else "good"}">'
-           + (f"{n_fail} failure(s) found" if n_fail else "No failures") + "</p>"]
+           + (f"{n_fail} failure(s) found" if n_fail else "No failures")
+           + (" (interrupted: the summary so far)" if summary.get("interrupted") else "") + "</p>"]
     rate = _rate(summary)
     out.append("<h2>Totals</h2>" + _table(
         ["examples", "seconds", "examples/s", "layouts", "modes", "failures", "interrupted"],
@@ -198,7 +211,7 @@ def _campaign_html(summary: dict) -> list[str]:
     out.append("<h2>Per layout × mode</h2>" + _table(
         ["layout", "mode", "examples", "examples/s", "failures"],
         [[r["layout"], r["mode"], str(r["examples"]), _num(r["examples_per_s"]),
-          f'<td class="bad">{r["failures"]}</td>' if r["failures"] else "0"] for r in rows]))
+          _Cell(f'<td class="bad">{r["failures"]}</td>') if r["failures"] else "0"] for r in rows]))
     groups = sorted({r["layout"] for r in rows}, key=_layout_key)
     series = sorted({r["mode"] for r in rows})
     flagged = {(r["layout"], r["mode"]) for r in rows if r["failures"]}
@@ -237,15 +250,15 @@ def _campaign_html(summary: dict) -> list[str]:
 def _selftest_html(st: dict) -> list[str]:
     faults = st.get("faults") or []
     det, tot = st.get("detected", 0), st.get("total", len(faults))
-    out = [f'<h2>Selftest: {det}/{tot} faults detected</h2>',
-           f'<p class="banner {"good" if det == tot else "bad"}">median seconds to detection: '
-           f'{html.escape(_num(st.get("median_seconds_to_detection")))}</p>']
+    out = ["<h2>Selftest</h2>",
+           f'<p class="banner {"good" if det == tot else "bad"}">{det}/{tot} faults detected; median '
+           f'seconds to detection {html.escape(_num(st.get("median_seconds_to_detection")))}</p>']
     out.append(_table(
         ["fault", "detected", "seconds", "examples", "property", "requests", "tokens", "layout/mode", "reproducer"],
-        [[f["name"], '<td class="good">yes</td>' if f.get("detected") else '<td class="bad">NO</td>',
+        [[f["name"], _Cell('<td class="good">yes</td>' if f.get("detected") else '<td class="bad">NO</td>'),
           _num(f.get("seconds")), _num(f.get("examples")), f.get("property") or "–", _num(f.get("requests")),
           _num(f.get("tokens")), f"{f.get('layout')}/{f.get('mode')}" if f.get("detected") else "–",
-          f'<td class="l"><code>{html.escape(f.get("reproducer") or "")}</code></td>'] for f in faults]))
+          _Cell(f'<td class="l path">{html.escape(f.get("reproducer") or "–")}</td>')] for f in faults]))
     rows = [(f["name"], f.get("seconds"), OK, f"{_num(f.get('seconds'))} s") if f.get("detected")
             else (f["name"], f.get("total_seconds"), FAIL, f"not detected in {_num(f.get('total_seconds'), 0)} s")
             for f in faults]

