@@ -198,15 +198,17 @@ class Campaign:
                 # One layout per chunk, round robin, so every layout is covered in any budget.
                 layout = self.layouts[i % len(self.layouts)]
                 strat = cases((layout,), self.modes, self.faults, self.base, self.max_requests)
-                test = settings(max_examples=self.chunk)(given(strat)(self._body))
-                if settings.default.database is None or not self.use_database:
-                    # Reproducible campaigns: a seed per chunk (which turns the database off).
-                    test = hseed(self.seed * 100003 + i)(test)
-                else:
+                def body(case):
+                    return self._body(case)
+                if settings.default.database is not None and self.use_database:
                     # Nightly: random, and the example database replays earlier failures first.
                     # One database key per layout/modes/faults, so a saved example is only ever
                     # replayed as the kind of Case it was drawn as.
-                    test._hypothesis_internal_add_digest = repr((layout, self.modes, self.faults)).encode()
+                    body._hypothesis_internal_add_digest = repr((layout, self.modes, self.faults)).encode()
+                    test = settings(max_examples=self.chunk)(given(strat)(body))
+                else:
+                    # Reproducible campaigns: a seed per chunk (which turns the database off).
+                    test = hseed(self.seed * 100003 + i)(settings(max_examples=self.chunk)(given(strat)(body)))
                 i += 1
                 try:
                     test()
