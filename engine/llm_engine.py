@@ -67,8 +67,9 @@ class LLMEngine:
             raise ConfigError("scheduler_config: budget or KV blocks exceed what the engine was built with")
         self.scheduler = Scheduler(sc)
         self.faults = tuple(faults)
-        self.proposer = NgramProposer(self.cfg.num_speculative_tokens) \
-            if self.cfg.speculative_method == "ngram" else None
+        # Drafting is driver-side, so the Case's config decides it, whatever the ranks were built with.
+        self.spec_cfg = sc
+        self.proposer = NgramProposer(sc.num_speculative_tokens) if sc.speculative_method == "ngram" else None
         self.in_flight: deque[tuple[SchedulerOutput, set[str]]] = deque()
         self.trace = Trace()
         self.step_count = 0
@@ -149,7 +150,7 @@ class LLMEngine:
             req = self.scheduler.requests[rid]
             if req.status is not RequestStatus.RUNNING:
                 continue
-            room = min(req.max_tokens - len(req.output_token_ids) - 1, self.cfg.max_model_len - req.num_tokens)
+            room = min(req.max_tokens - len(req.output_token_ids) - 1, self.spec_cfg.max_model_len - req.num_tokens)
             req.spec_token_ids = self.proposer.propose(req.all_token_ids, max_k=room)
 
     def _agreed_output(self, outs: dict, microbatch: int):

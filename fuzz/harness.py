@@ -42,9 +42,11 @@ def _pow2(n: int, floor: int) -> int:
 
 def engine_config(cfg: EngineConfig) -> EngineConfig:
     """The config an engine is built with for `cfg`: token budget and KV blocks rounded up,
-    since they only size buffers; the Case's own limits go to the scheduler at reset."""
+    since they only size buffers, and no speculative decoding, which lives in the driver;
+    the Case's own settings go to the scheduler and proposer at reset."""
     return cfg.replace(max_num_batched_tokens=_pow2(cfg.max_num_batched_tokens, 64),
-                       num_gpu_blocks=_pow2(cfg.num_gpu_blocks, 128))
+                       num_gpu_blocks=_pow2(cfg.num_gpu_blocks, 128),
+                       speculative_method="none", num_speculative_tokens=0)  # drafting is driver-side
 
 
 class EnginePool:
