@@ -62,9 +62,7 @@ def cmd_run(args) -> int:
             raise BadInput(f"--fault: unknown fault {f!r} (see `llmfuzz faults`)")
     if not 0 < args.budget < float("inf"):
         raise BadInput(f"--budget: {args.budget} is not a positive number of seconds")
-    from fuzz import profiles
-
-    profile = profiles.load(args.profile)
+    profile = _load_profile(args.profile)
     camp = Campaign(use_database=profile in ("nightly", "repro"), layouts=layouts, modes=modes, faults=tuple(args.fault), seed=args.seed,
                     out_dir=args.out, budget_s=args.budget,
                     stop_on_failure=bool(args.fault) and not args.keep_going,
@@ -87,8 +85,23 @@ def _load(path: str):
     from fuzz.reproduce import load_reproducer
 
     try:
-        return load_reproducer(path)
+        repro = load_reproducer(path)
     except CaseFormatError as e:
+        raise BadInput(str(e)) from None
+    if repro.case.config.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise BadInput(f"{path}: the case runs on {repro.case.config.device}, and CUDA is not available here")
+    return repro
+
+
+def _load_profile(name: str | None) -> str:
+    from fuzz import profiles
+
+    try:
+        return profiles.load(name)
+    except ValueError as e:
         raise BadInput(str(e)) from None
 
 
@@ -163,7 +176,6 @@ def cmd_faults(args) -> int:
 
 def cmd_selftest(args) -> int:
     from engine.faults import FAULTS
-    from fuzz import profiles
     from fuzz.selftest import run_selftest, summary_json, table
 
     names = args.fault or list(FAULTS)
@@ -172,7 +184,7 @@ def cmd_selftest(args) -> int:
             raise BadInput(f"--fault: unknown fault {f!r} (see `llmfuzz faults`)")
     if not 0 < args.budget_per_fault < float("inf"):
         raise BadInput(f"--budget-per-fault: {args.budget_per_fault} is not a positive number of seconds")
-    profiles.load(args.profile)
+    _load_profile(args.profile)
     results = run_selftest(names, args.budget_per_fault, args.out, args.seed, progress=not args.json)
     if args.json:
         print(json.dumps(summary_json(results), indent=1))
