@@ -30,7 +30,8 @@ def register() -> None:
 
 
 def load(name: str | None = None) -> str:
-    name = name or os.environ.get("LLMFUZZ_PROFILE", "dev")
+    # Explicit choice first; on a CI machine (CI set) our own "ci" profile, never Hypothesis's.
+    name = name or os.environ.get("LLMFUZZ_PROFILE") or ("ci" if os.environ.get("CI") else "dev")
     if name not in PROFILES:
         raise ValueError(f"profile: {name!r} is not one of {', '.join(PROFILES)}")
     register()

@@ -1,0 +1,205 @@
+"""Case JSON: every drawn Case round-trips; every malformed input is one CaseFormatError line.
+
+Nothing here starts an engine: a bad Case must be rejected before any rank starts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from engine.faults import FAULTS
+from engine.schedule import Schedule
+from fuzz.case import CASE_FORMAT, Case, CaseFormatError, RequestSpec, Workload
+from fuzz.reproduce import REPRO_FORMAT, load_reproducer, write_reproducer
+from fuzz.strategies import DEFAULT_LAYOUTS, FUZZ_MODEL, MODES, cases
+
+
+def good_case() -> Case:
+    return Case(FUZZ_MODEL.replace(layout="tp2pp2"),
+                Workload((RequestSpec((1, 2, 3, 4, 5), 3), RequestSpec((7,), 1, arrival_step=2))),
+                Schedule(seed=3, rank_order="random", copy_delay=0.5, prepare_ahead=1.0),
+                ("pp_stale_new_token_ids",))
+
+
+@st.composite
+def cases_with_faults(draw) -> Case:
+    case = draw(cases(layouts=DEFAULT_LAYOUTS, modes=MODES))
+    faults = draw(st.lists(st.sampled_from(sorted(FAULTS)), unique=True, max_size=3))
+    return dataclasses.replace(case, faults=tuple(faults))
+
+
+@settings(max_examples=150)
+@given(cases_with_faults())
+def test_json_round_trip(case: Case) -> None:
+    text = case.to_json()
+    back = Case.from_json(text)
+    assert back.to_json() == text
+    assert back == case
+    # A dict that went through json (lists, not tuples) loads to the same Case too.
+    assert Case.from_dict(json.loads(text)) == case
+
+
+def test_round_trip_keeps_every_field() -> None:
+    case = good_case()
+    back = Case.from_json(case.to_json())
+    assert back == case
+    assert back.schedule == case.schedule and back.faults == case.faults
+    assert back.workload.requests[1].arrival_step == 2
+    assert back.config.layout == "tp2pp2"
+
+
+def _doc(**case_changes) -> dict:
+    d = good_case().to_dict()
+    for k, v in case_changes.items():
+        d[k] = v
+    return d
+
+
+def _cfg_doc(**cfg_changes) -> dict:
+    d = good_case().to_dict()
+    d["config"].update(cfg_changes)
+    return d
+
+
+def _req_doc(**req_changes) -> dict:
+    d = good_case().to_dict()
+    d["workload"][0].update(req_changes)
+    return d
+
+
+_FULL = good_case().to_json()
+_NO_FORMAT = {k: v for k, v in good_case().to_dict().items() if k != "format"}
+
+# (id, JSON text, words the one-line message must contain)
+MALFORMED = [
+    ("not_json", "this is not json", "not valid JSON"),
+    ("truncated", _FULL[: len(_FULL) // 2], "not valid JSON"),
+    ("empty_file", "", "not valid JSON"),
+    ("not_an_object", json.dumps([1, 2, 3]), "expected a JSON object"),
+    ("missing_format", json.dumps(_NO_FORMAT), "format"),
+    ("format_not_int", json.dumps(_doc(format="1")), "format"),
+    ("newer_format", json.dumps(_doc(format=CASE_FORMAT + 1)), "newer"),
+    ("missing_config", json.dumps({k: v for k, v in good_case().to_dict().items() if k != "config"}), "config"),
+    ("missing_workload", json.dumps({k: v for k, v in good_case().to_dict().items() if k != "workload"}),
+     "workload"),
+    ("config_not_object", json.dumps(_doc(config=5)), "config"),
+    ("unknown_config_field", json.dumps(_cfg_doc(num_experts=8)), "num_experts"),
+    ("heads_not_divisible_by_tp", json.dumps(_cfg_doc(tensor_parallel_size=3)), "divisible by tp=3"),
+    ("more_stages_than_layers", json.dumps(_cfg_doc(pipeline_parallel_size=9)), "more stages"),
+    ("negative_block_size", json.dumps(_cfg_doc(block_size=-4)), "block_size"),
+    ("bad_dtype", json.dumps(_cfg_doc(dtype="float8")), "dtype"),
+    ("sp_without_tp", json.dumps(_cfg_doc(tensor_parallel_size=1, sequence_parallel=True)), "sequence_parallel"),
+    ("no_requests", json.dumps(_doc(workload=[])), "no requests"),
+    ("workload_not_list", json.dumps(_doc(workload=7)), "workload"),
+    ("request_missing_max_tokens", json.dumps(_doc(workload=[{"prompt_token_ids": [1]}])), "max_tokens"),
+    ("empty_prompt", json.dumps(_req_doc(prompt_token_ids=[])), "empty prompt"),
+    ("token_outside_vocab", json.dumps(_req_doc(prompt_token_ids=[1, FUZZ_MODEL.vocab_size])),
+     f"token id {FUZZ_MODEL.vocab_size} outside vocab"),
+    ("negative_token", json.dumps(_req_doc(prompt_token_ids=[-1])), "token id -1 outside vocab"),
+    ("prompt_plus_max_tokens_too_long",
+     json.dumps(_req_doc(prompt_token_ids=[1] * 60, max_tokens=5)), "max_model_len"),
+    ("zero_max_tokens", json.dumps(_req_doc(max_tokens=0)), "max_tokens"),
+    ("negative_arrival", json.dumps(_req_doc(arrival_step=-1)), "arrival_step"),
+    ("bad_schedule_field", json.dumps(_doc(schedule={"seed": 0, "jitter": 1})), "jitter"),
+    ("bad_rank_order", json.dumps(_doc(schedule={"rank_order": "reverse"})), "rank_order"),
+    ("copy_delay_out_of_range", json.dumps(_doc(schedule={"copy_delay": 2.0})), "copy_delay"),
+    ("unknown_fault", json.dumps(_doc(faults=["pp_everything_wrong"])), "unknown fault 'pp_everything_wrong'"),
+]
+
+
+def _one_line(msg: str) -> None:
+    assert msg and "\n" not in msg, repr(msg)
+    assert "Traceback" not in msg
+
+
+@pytest.mark.parametrize("text,words", [m[1:] for m in MALFORMED], ids=[m[0] for m in MALFORMED])
+def test_malformed_case_is_one_line_error(text: str, words: str) -> None:
+    with pytest.raises(CaseFormatError) as ei:
+        Case.from_json(text)
+    msg = str(ei.value)
+    _one_line(msg)
+    assert words in msg, msg
+
+
+def _repro_text(case_text: str) -> str:
+    """A reproducer document wrapping `case_text` (kept as raw text: it may be broken)."""
+    return ('{"format": %d, "property": "logits", "message": "m", "error_ratio": 2.0, "case": %s}'
+            % (REPRO_FORMAT, case_text))
+
+
+# Case-level problems, seen through a reproducer file (the not-JSON ones are file-level).
+_CASE_LEVEL = [m for m in MALFORMED if m[0] not in ("not_json", "truncated", "empty_file")]
+
+
+@pytest.mark.parametrize("text,words", [m[1:] for m in _CASE_LEVEL], ids=[m[0] for m in _CASE_LEVEL])
+def test_load_reproducer_rejects_malformed_case(tmp_path, text: str, words: str) -> None:
+    p = tmp_path / "bad.json"
+    p.write_text(_repro_text(text))
+    with pytest.raises(CaseFormatError) as ei:
+        load_reproducer(str(p))
+    msg = str(ei.value)
+    _one_line(msg)
+    assert words in msg and str(p) in msg, msg
+
+
+def _good_repro(tmp_path) -> str:
+    return write_reproducer(str(tmp_path), good_case(), "logits", "planted", 3.5)
+
+
+FILE_LEVEL = [
+    ("not_json", lambda full: "garbage{", "not valid JSON"),
+    ("truncated", lambda full: full[: len(full) * 2 // 3], "truncated"),
+    ("empty_file", lambda full: "", "not valid JSON"),
+    ("not_an_object", lambda full: "[]", "expected a JSON object"),
+    ("missing_format", lambda full: json.dumps({k: v for k, v in json.loads(full).items() if k != "format"}),
+     "'format' missing"),
+    ("newer_format", lambda full: json.dumps(dict(json.loads(full), format=REPRO_FORMAT + 1)), "newer"),
+    ("missing_case", lambda full: json.dumps({k: v for k, v in json.loads(full).items() if k != "case"}),
+     "'case' missing"),
+]
+
+
+@pytest.mark.parametrize("mutate,words", [m[1:] for m in FILE_LEVEL], ids=[m[0] for m in FILE_LEVEL])
+def test_load_reproducer_rejects_malformed_file(tmp_path, mutate, words: str) -> None:
+    path = _good_repro(tmp_path)
+    with open(path) as f:
+        full = f.read()
+    bad = tmp_path / "bad.json"
+    bad.write_text(mutate(full))
+    with pytest.raises(CaseFormatError) as ei:
+        load_reproducer(str(bad))
+    msg = str(ei.value)
+    _one_line(msg)
+    assert words in msg, msg
+
+
+def test_load_reproducer_missing_file(tmp_path) -> None:
+    with pytest.raises(CaseFormatError) as ei:
+        load_reproducer(str(tmp_path / "nope.json"))
+    _one_line(str(ei.value))
+    assert "cannot read" in str(ei.value)
+
+
+def test_reproducer_round_trip(tmp_path) -> None:
+    path = _good_repro(tmp_path)
+    # <out>/<property>/<id>.json, the id a hash of the Case: the same Case lands in one file.
+    assert path.startswith(str(tmp_path / "logits")) and path.endswith(".json")
+    assert _good_repro(tmp_path) == path
+    r = load_reproducer(path)
+    assert r.case == good_case()
+    assert (r.property, r.message, r.error_ratio, r.path) == ("logits", "planted", 3.5, path)
+    for key in ("format", "llmfuzz_version", "torch_version", "device", "created"):
+        assert key in r.meta
+    # Atomic write: no temp file left beside it.
+    assert sorted(p.name for p in (tmp_path / "logits").iterdir()) == [path.rsplit("/", 1)[1]]
+
+
+def test_reproducer_infinite_ratio_round_trips(tmp_path) -> None:
+    path = write_reproducer(str(tmp_path), good_case(), "logits", "nan logits", float("inf"))
+    with open(path) as f:
+        doc = json.load(f, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+    assert doc["error_ratio"] == "inf"
+    assert load_reproducer(path).error_ratio == float("inf")

@@ -1,0 +1,191 @@
+"""Property tests on the correct engine, one test per layout x mode (so `pytest -n auto`
+spreads them), plus determinism, and proof that every registry fault is caught.
+
+Each fault has a hand-written Case on which it is reachable: the Case must fail with the
+expected Violation type with the fault on, and pass with faults=(). A fault without a
+Case here fails `test_every_registry_fault_has_a_case`.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from engine.faults import FAULTS
+from engine.schedule import Schedule
+from fuzz.case import Case, RequestSpec, Workload
+from fuzz.harness import Harness
+from fuzz.properties import (DeterminismViolation, EngineViolation, FAViolation, LivenessViolation, LogitsMismatch,
+                             Violation, check_determinism)
+from fuzz.strategies import FUZZ_MODEL, cases, tokens_from_seed
+
+# Examples per layout and mode: the heavy layouts (many rank threads on 2 cores) get fewer,
+# and graph mode (a capture per size per pooled engine, about 5 s an example here) runs on
+# two layouts only, so the file stays under ~90 s with `-n 2` on an idle 2-core machine
+# (about 110 CPU-seconds). The ci profile derandomizes; dev draws fresh examples each run.
+EXAMPLES = {"tp1pp1": 12, "tp2pp1": 8, "tp1pp2": 12, "tp2pp2": 6, "tp2pp4": 5, "tp1pp8": 8,
+            "tp4pp2": 4, "tp8pp1": 3, "tp1pp3": 10}
+GRAPH_EXAMPLES = {"tp1pp1": 3, "tp1pp2": 3}
+CELLS = [(layout, "eager", n) for layout, n in EXAMPLES.items()] + \
+        [(layout, "graph", n) for layout, n in GRAPH_EXAMPLES.items()]
+_SUPPRESS = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
+
+
+@pytest.fixture(scope="module")
+def harness():
+    """One Harness per module (per xdist worker): engines are reused across examples."""
+    h = Harness()
+    yield h
+    h.close()
+
+
+@pytest.mark.parametrize("layout,mode,examples", CELLS, ids=[f"{lay}-{mode}" for lay, mode, _ in CELLS])
+def test_properties_hold_on_correct_engine(harness, layout: str, mode: str, examples: int) -> None:
+    """Logits match the tp1pp1 reference and every FA call satisfies the varlen contract."""
+
+    @settings(max_examples=examples, deadline=None, suppress_health_check=_SUPPRESS)
+    @given(cases(layouts=(layout,), modes=(mode,)))
+    def check(case: Case) -> None:
+        assert case.layout == layout and case.mode == mode
+        v = harness.check(case)
+        assert v.fa_calls_checked > 0
+        assert v.logits.positions == sum(r.max_tokens for r in case.workload.requests)
+
+    check()
+
+
+@st.composite
+def racy_schedules(draw) -> Schedule:
+    """Never the default: random rank order, delayed copies, running ahead."""
+    return Schedule(seed=draw(st.integers(0, 2 ** 16)), rank_order="random",
+                    copy_delay=draw(st.sampled_from((0.5, 0.9))), prepare_ahead=draw(st.sampled_from((0.5, 1.0))))
+
+
+@pytest.mark.parametrize("layout", ["tp2pp2", "tp1pp3"])
+def test_same_case_twice_is_bitwise_identical(harness, layout: str) -> None:
+    @settings(max_examples=4, deadline=None, suppress_health_check=_SUPPRESS)
+    @given(cases(layouts=(layout,)), racy_schedules())
+    def check(case: Case, schedule: Schedule) -> None:
+        case = dataclasses.replace(case, schedule=schedule)
+        a = harness.run_case(case)
+        b = harness.run_case(case)
+        check_determinism(case, a, b)
+
+    check()
+
+
+def test_determinism_check_detects_a_difference(harness) -> None:
+    case = Case(FUZZ_MODEL.replace(layout="tp1pp2"), Workload((RequestSpec((1, 2, 3), 2),)))
+    a = harness.run_case(case)
+    b = harness.run_case(case)
+    check_determinism(case, a, b)
+    rec = b.tokens["r0"][1]
+    rec.logits = rec.logits.clone()
+    rec.logits[0] = torch.nextafter(rec.logits[0], rec.logits[0] + 1)  # one ulp must be seen
+    with pytest.raises(DeterminismViolation):
+        check_determinism(case, a, b)
+
+
+# -- every registry fault is caught --------------------------------------------------------------
+
+def req(n: int, max_tokens: int = 3, arrival: int = 0, seed: int = 0) -> RequestSpec:
+    return RequestSpec(tokens_from_seed(seed, n, FUZZ_MODEL.vocab_size), max_tokens, arrival)
+
+
+def case_of(layout: str, reqs, schedule: Schedule = Schedule(), fault: str = "", **cfg) -> Case:
+    return Case(FUZZ_MODEL.replace(layout=layout, **cfg), Workload(tuple(reqs)), schedule,
+                (fault,) if fault else ())
+
+
+_RACY = Schedule(seed=1, copy_delay=0.9, prepare_ahead=1.0)
+_GRAPH = dict(cudagraph_mode="FULL", capture_sizes=(8,))
+
+# (id, fault, Case with the fault on, expected Violation type)
+FAULT_CASES = [
+    # A decode step: the first PP stage misses the token sampled last step.
+    ("pp_stale_new_token_ids", "pp_stale_new_token_ids",
+     case_of("tp1pp2", [req(3, 3)], fault="pp_stale_new_token_ids"), LogitsMismatch),
+    # Chunked prefill (budget 9) keeps two microbatches in flight; the host prepares the
+    # second before the first's staging copies landed.
+    ("pp_shared_staging_buffer", "pp_shared_staging_buffer",
+     case_of("tp1pp2", [req(3 + i, 3, seed=i) for i in range(4)], _RACY, "pp_shared_staging_buffer",
+             max_num_batched_tokens=9), FAViolation),
+    ("intermediate_copy_unsynced", "intermediate_copy_unsynced",
+     case_of("tp1pp2", [req(3, 3)], fault="intermediate_copy_unsynced"), LogitsMismatch),
+    ("sp_residual_copy_len", "sp_residual_copy_len",
+     case_of("tp2pp2", [req(6, 3)], fault="sp_residual_copy_len", sequence_parallel=True), LogitsMismatch),
+    ("pp_allgather_non_replicated", "pp_allgather_non_replicated",
+     case_of("tp2pp2", [req(2, 2)], fault="pp_allgather_non_replicated", sequence_parallel=True),
+     LogitsMismatch),
+    # 8 layers over 3 stages: the only uneven split among the fuzz layouts.
+    ("pp_uneven_partition", "pp_uneven_partition",
+     case_of("tp1pp3", [req(3, 2)], fault="pp_uneven_partition"), LogitsMismatch),
+    # Ranks sample from their own stale logits: they disagree with the last stage.
+    ("pp_logits_not_broadcast", "pp_logits_not_broadcast",
+     case_of("tp1pp2", [req(3, 3)], fault="pp_logits_not_broadcast", broadcast_pp_output=True),
+     EngineViolation),
+    # r0 decodes while r1 (4 tokens) and r2 (1 token) arrive: reorder_batch moves r2 (one
+    # scheduled token, a decode to it) in front of r1, so the two swap rows.
+    ("reorder_decode_prefill_mix", "reorder_partial_swap",
+     case_of("tp1pp1", [req(3, 3), req(4, 3, 1, 1), req(1, 3, 1, 2)], fault="reorder_partial_swap"),
+     LogitsMismatch),
+    # Same, with a prefill whose block-table row is longer than the row it is swapped with:
+    # the engine indexes the poisoned tail of a block-table row (an exception on a rank).
+    ("reorder_crash", "reorder_partial_swap",
+     case_of("tp1pp1", [req(3, 3), req(6, 3, 1, 1), req(1, 3, 1, 2)], fault="reorder_partial_swap"),
+     LivenessViolation),
+    # The first batch (2 tokens) triggers capture of size 8; the next (1 decode + a 6-token
+    # prefill) replays it with the baked max_seqlen_q=2.
+    ("graph_stale_max_seqlen", "graph_stale_max_seqlen",
+     case_of("tp1pp1", [req(2, 3), req(6, 2, 1, 1)], fault="graph_stale_max_seqlen", **_GRAPH), FAViolation),
+    # One request padded to a graph of 8 tokens: the tail of query_start_loc keeps its poison.
+    ("stale_query_start_loc_tail", "stale_query_start_loc_tail",
+     case_of("tp1pp1", [req(3, 2)], fault="stale_query_start_loc_tail", **_GRAPH), FAViolation),
+    # Captured with 1 request, replayed with 2 (r0's decode + r1's 1-token prefill).
+    ("capture_metadata_baked", "capture_metadata_baked",
+     case_of("tp1pp1", [req(2, 3), req(1, 2, 1, 1)], fault="capture_metadata_baked", **_GRAPH), FAViolation),
+    # A repeating prompt gives the n-gram proposer drafts; the model rejects one, and without
+    # the rollback the request's computed length runs past its tokens.
+    ("spec_rollback_missing", "spec_rollback_missing",
+     Case(FUZZ_MODEL.replace(speculative_method="ngram", num_speculative_tokens=2),
+          Workload((RequestSpec((1, 2, 1, 2, 1, 2), 6),)), faults=("spec_rollback_missing",)), EngineViolation),
+]
+
+
+def test_every_registry_fault_has_a_case() -> None:
+    assert sorted(FAULTS) == sorted({f for _, f, _, _ in FAULT_CASES})
+
+
+@pytest.mark.parametrize("fault,case,expected", [c[1:] for c in FAULT_CASES], ids=[c[0] for c in FAULT_CASES])
+def test_fault_is_caught(harness, fault: str, case: Case, expected: type) -> None:
+    # The faulty run gets a fresh Harness (new engines), so this test is only about the
+    # fault; the clean run uses the module's Harness, on which no fault ever ran. Sharing
+    # one engine between faulty and clean Cases is test_verdict_does_not_depend_on_earlier_cases.
+    case.validate()
+    h = Harness()
+    try:
+        with pytest.raises(Violation) as ei:
+            h.check(case)
+    finally:
+        h.close()
+    assert type(ei.value) is expected, f"{type(ei.value).__name__}: {ei.value}"
+    assert ei.value.case == case
+    harness.check(dataclasses.replace(case, faults=()))  # the correct engine passes the same Case
+
+
+@pytest.mark.parametrize("fault,case,expected", [c[1:] for c in FAULT_CASES], ids=[c[0] for c in FAULT_CASES])
+def test_verdict_does_not_depend_on_earlier_cases(fault: str, case: Case, expected: type) -> None:
+    """On one pooled engine the faulty Case fails and the clean one passes whatever ran
+    before: reset must forget everything a Case's faults changed (campaigns and selftest run
+    many Cases on one engine, and a reproducer must replay alone)."""
+    clean = dataclasses.replace(case, faults=())
+    h = Harness()
+    try:
+        h.check(clean)
+        with pytest.raises(expected):
+            h.check(case)  # after a clean Case
+        h.check(clean)  # after a faulty Case
+    finally:
+        h.close()

@@ -1,0 +1,106 @@
+"""Every `reproducers/**/*.json` is a test case, so fixed bugs stay fixed.
+
+A reproducer made with faults must still fail, with its recorded property, with the faults
+on (the harness still catches that bug class) and pass with them off. A reproducer without
+faults records a real engine bug that has been fixed: it must pass now.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from engine.faults import FAULTS
+from fuzz.case import Case, RequestSpec, Workload
+from fuzz.harness import Harness
+from fuzz.properties import Violation
+from fuzz.reproduce import load_reproducer, write_reproducer
+from fuzz.strategies import FUZZ_MODEL
+
+ROOT = Path(__file__).resolve().parents[2]
+REPRO_DIR = ROOT / "reproducers"
+FILES = sorted(REPRO_DIR.glob("**/*.json"))
+
+
+@pytest.fixture(scope="module")
+def harness():
+    h = Harness()
+    yield h
+    h.close()
+
+
+def check_reproducer(path: str, clean_harness: Harness) -> None:
+    """The contract above, for one file. Faulty runs get a fresh Harness, so a fault never
+    shares an engine with the clean runs."""
+    repro = load_reproducer(path)
+    case = repro.case
+    if case.faults:
+        h = Harness()
+        try:
+            with pytest.raises(Violation) as ei:
+                h.check(case)
+        finally:
+            h.close()
+        assert ei.value.property == repro.property, (
+            f"{path}: now fails with {ei.value.property}: {ei.value}; recorded {repro.property}: {repro.message}")
+        clean_harness.check(dataclasses.replace(case, faults=()))
+    else:
+        try:
+            clean_harness.check(case)
+        except Violation as v:
+            pytest.fail(f"{path}: fixed bug is back: {v.property}: {v} "
+                        f"(recorded {repro.property}: {repro.message}); replay with "
+                        f"`llmfuzz replay {path}`")
+
+
+@pytest.mark.parametrize("path", FILES, ids=[str(p.relative_to(REPRO_DIR)) for p in FILES])
+def test_reproducer(harness, path: Path) -> None:
+    check_reproducer(str(path), harness)
+
+
+@pytest.mark.parametrize("path", FILES, ids=[str(p.relative_to(REPRO_DIR)) for p in FILES])
+def test_reproducer_file_layout(path: Path) -> None:
+    """Campaign reproducers are `<property>/<id>.json` (possibly under a grouping folder,
+    e.g. selftest's `faults/`): the directory names the recorded property and the id is a
+    12-hex hash. The one-per-fault set (scripts/make_fault_reproducers.py) is
+    `faults/<fault>.json`, named by the one fault it switches on."""
+    repro = load_reproducer(str(path))
+    rel = path.relative_to(REPRO_DIR)
+    assert repro.meta["format"] == 1 and "llmfuzz_version" in repro.meta
+    if len(rel.parts) == 2 and rel.parts[0] == "faults" and path.stem in FAULTS:
+        assert repro.case.faults == (path.stem,), f"{rel}: switches on {repro.case.faults}"
+        return
+    assert len(rel.parts) >= 2, f"{rel}: expected <property>/<id>.json"
+    assert rel.parts[-2] == repro.property, f"{rel}: recorded property is {repro.property}"
+    assert re.fullmatch(r"[0-9a-f]{12}\.json", rel.parts[-1]), rel
+
+
+def test_reproducer_directory_is_json_only() -> None:
+    stray = [p.relative_to(REPRO_DIR) for p in REPRO_DIR.rglob("*")
+             if p.is_file() and p.suffix != ".json" and p.name not in ("README.md", "replay.py")
+             and "__pycache__" not in p.parts]
+    assert not stray, f"only JSON reproducers (plus README.md, replay.py) belong here: {stray}"
+
+
+# The contract itself, on reproducers written here (reproducers/ may hold none with faults).
+
+def _case(faults: tuple[str, ...]) -> Case:
+    return Case(FUZZ_MODEL.replace(layout="tp1pp2"), Workload((RequestSpec((5, 6, 7), 3),)), faults=faults)
+
+
+def test_contract_on_a_fault_reproducer(tmp_path, harness) -> None:
+    path = write_reproducer(str(tmp_path), _case(("pp_stale_new_token_ids",)), "logits", "stale token ids")
+    check_reproducer(path, harness)
+
+
+def test_contract_rejects_a_fault_reproducer_with_the_wrong_property(tmp_path, harness) -> None:
+    path = write_reproducer(str(tmp_path), _case(("pp_stale_new_token_ids",)), "fa_invariants", "wrong")
+    with pytest.raises(AssertionError, match="recorded fa_invariants"):
+        check_reproducer(path, harness)
+
+
+def test_contract_on_a_fixed_bug_reproducer(tmp_path, harness) -> None:
+    path = write_reproducer(str(tmp_path), _case(()), "engine_invariants", "fixed long ago")
+    check_reproducer(path, harness)
