@@ -90,6 +90,8 @@ class Campaign:
                  harness: Harness | None = None, use_database: bool = False) -> None:
         self.use_database = use_database
         self.layouts, self.modes, self.faults = tuple(layouts), tuple(modes), tuple(faults)
+        # Short budgets take short chunks, so the round robin reaches every layout.
+        chunk = max(2, min(chunk, int(budget_s / (4 * max(1, len(self.layouts))))))
         self.seed, self.out_dir, self.budget_s, self.chunk = seed, out_dir, budget_s, chunk
         self.stop_on_failure, self.progress = stop_on_failure, progress
         self.base, self.max_requests = base, max_requests
@@ -195,7 +197,7 @@ class Campaign:
         i = 0
         try:
             while time.monotonic() < deadline:
-                # One layout per chunk, round robin, so every layout is covered in any budget.
+                # One layout per chunk, round robin: every layout gets its turn early.
                 layout = self.layouts[i % len(self.layouts)]
                 strat = cases((layout,), self.modes, self.faults, self.base, self.max_requests)
                 def body(case):

@@ -25,7 +25,19 @@ import os
 
 from setuptools.command.build_py import build_py as _build_py
 
-from fuzz._guard_autoinstall import PTH_LINE, PTH_NAME
+def _load_pth_constants() -> tuple[str, str]:
+    # setuptools imports this file by path, without the project on sys.path (a fresh build
+    # environment has no `fuzz` package): load the sibling module by path as well.
+    import importlib.util
+
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_guard_autoinstall.py")
+    spec = importlib.util.spec_from_file_location("_llmfuzz_guard_autoinstall", here)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.PTH_LINE, mod.PTH_NAME
+
+
+PTH_LINE, PTH_NAME = _load_pth_constants()
 
 
 class build_py(_build_py):

@@ -135,7 +135,9 @@ class Harness:
             return drive(self.pool.get(cfg), case, case.schedule, case.faults, forced)
         except RankFailure as e:
             self.pool.discard(cfg)
-            raise LivenessViolation(f"{e.kind} on rank(s) {e.ranks}: {e.detail}", case) from None
+            # A hang or a deadlock is liveness; a rank that raised or died is a crash.
+            kind = LivenessViolation if e.kind in ("timeout", "deadlock") else CrashViolation
+            raise kind(f"{e.kind} on rank(s) {e.ranks}: {e.detail}", case) from None
         except (EngineInvariantError, KVAccountingError) as e:
             self.pool.discard(cfg)
             raise EngineViolation(str(e), case) from None

@@ -17,7 +17,7 @@ from engine.faults import FAULTS
 from engine.schedule import Schedule
 from fuzz.case import Case, RequestSpec, Workload
 from fuzz.harness import Harness
-from fuzz.properties import (DeterminismViolation, EngineViolation, FAViolation, LivenessViolation, LogitsMismatch,
+from fuzz.properties import (DeterminismViolation, EngineViolation, FAViolation, CrashViolation, LivenessViolation, LogitsMismatch,
                              Violation, check_determinism)
 from fuzz.strategies import FUZZ_MODEL, cases, tokens_from_seed
 
@@ -135,7 +135,7 @@ FAULT_CASES = [
     # the engine indexes the poisoned tail of a block-table row (an exception on a rank).
     ("reorder_crash", "reorder_partial_swap",
      case_of("tp1pp1", [req(3, 3), req(6, 3, 1, 1), req(1, 3, 1, 2)], fault="reorder_partial_swap"),
-     LivenessViolation),
+     CrashViolation),
     # The first batch (2 tokens) triggers capture of size 8; the next (1 decode + a 6-token
     # prefill) replays it with the baked max_seqlen_q=2.
     ("graph_stale_max_seqlen", "graph_stale_max_seqlen",

@@ -1,0 +1,491 @@
+"""`llmfuzz vllm ...`: a time-budgeted campaign against vLLM, a minimizer, replay.
+
+A vLLM config is a *cell* (layout, eager/compiled, token budget, max_num_seqs, n-gram
+speculation, prefix caching, async scheduling). Starting an engine costs ~20-80 s here, so
+cells are visited in order (simplest first: tp1pp1 eager) with one engine each, and within
+a cell Hypothesis draws workloads (`fuzz.strategies.workloads` on the cell's config: prompts
+around the 32-token block edges and the token budget, repetitive prompts, arrivals while
+others run). Every example is checked by `VLLMChecker` (crash/hang, greedy, vs reference,
+batch invariance). Hypothesis's own shrinker is off (a crash costs an engine restart per
+shrink step): a failure is shrunk by `minimize_vllm` (time-bounded, same config: jump to
+one request with a one-token prompt, then fuzz.shrink's greedy candidates), written with
+fuzz.reproduce.write_reproducer under `<out>/<property>/<id>.json` plus the vLLM version,
+options, LLM kwargs and signature, and the campaign goes on. A crash or hang ends its cell
+(every further example would restart the engine to hit the same thing); a crash whose
+signature is listed in the known-failures file (`--known`, one signature per line, `#`
+comments) is counted as known, and no reproducer is written.
+
+Nothing here imports torch or vLLM at import time (the CLI imports `add_vllm_parser`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field, replace
+
+EXIT_OK, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def default_cells():
+    """(EngineConfig, VLLMOptions) per cell, in visiting order."""
+    from fuzz.targets.vllm_target import VLLM_MODEL, VLLMOptions
+
+    compiled = dict(cudagraph_mode="FULL", capture_sizes=(1, 2, 4, 8))
+    m = VLLM_MODEL
+    return [
+        (m, VLLMOptions()),
+        (m.replace(layout="tp1pp2"), VLLMOptions()),
+        (m.replace(layout="tp2pp1"), VLLMOptions()),
+        (m.replace(**compiled), VLLMOptions()),
+        (m.replace(layout="tp1pp2", **compiled), VLLMOptions()),
+        (m.replace(layout="tp2pp1", **compiled), VLLMOptions()),
+        (m.replace(max_num_batched_tokens=16, max_num_seqs=2), VLLMOptions()),
+        (m.replace(speculative_method="ngram", num_speculative_tokens=2), VLLMOptions()),
+        (m, VLLMOptions(enable_prefix_caching=True, async_scheduling=True)),
+    ]
+
+
+def cells_by_name() -> dict:
+    from fuzz.targets.vllm_target import cell_name
+
+    return {cell_name(c, o): (c, o) for c, o in default_cells()}
+
+
+def load_known(path: str | None) -> set[str]:
+    if not path:
+        return set()
+    with open(path) as f:
+        return {ln.split("#", 1)[0].strip() for ln in f if ln.split("#", 1)[0].strip()}
+
+
+# -- reproducers ------------------------------------------------------------------------------
+
+def write_vllm_reproducer(out_dir: str, violation, opts, target) -> str:
+    """fuzz.reproduce.write_reproducer, then the vLLM facts added to the same file (atomic)."""
+    import tempfile
+
+    from fuzz.reproduce import write_reproducer
+    from fuzz.targets.vllm_target import llm_kwargs, worker_env
+
+    case = violation.case
+    path = write_reproducer(out_dir, case, violation.property, violation.message, violation.error_ratio)
+    with open(path) as f:
+        doc = json.load(f)
+    env = worker_env(case.config)
+    doc.update({
+        "target": "vllm", "vllm_version": target.vllm_version, "vllm_options": opts.to_dict(),
+        "llm_kwargs": llm_kwargs(case.config, opts),
+        "env": {k: env[k] for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND") if k in env},
+        "replay": f"llmfuzz vllm replay {path}",
+    })
+    if getattr(violation, "signature", None):
+        doc["signature"] = violation.signature
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(doc, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+    return path
+
+
+def same_failure(a, b) -> bool:
+    if a.property != b.property:
+        return False
+    sa, sb = getattr(a, "signature", None), getattr(b, "signature", None)
+    return sa == sb
+
+
+# -- minimizing -------------------------------------------------------------------------------
+
+def minimize_vllm(violation, checker, opts, deadline: float, max_checks: int = 60):
+    """Greedy, same config, bounded by `deadline`: first jump straight to one request with a
+    one-token prompt and max_tokens=1 (each request in turn), then fuzz.shrink's candidates
+    that keep the config. A candidate is kept when it fails the same way (same property,
+    same signature for crashes). Returns (smallest violation, checks run)."""
+    from fuzz.case import CaseFormatError, Workload
+    from fuzz.properties import Violation
+    from fuzz.shrink import candidates
+
+    best, checks = violation, 0
+
+    def fails(case) -> bool:
+        nonlocal best, checks
+        try:
+            case.validate()
+        except CaseFormatError:
+            return False
+        checks += 1
+        try:
+            checker.check(case, opts)
+        except Violation as v:
+            if same_failure(v, violation):
+                best = v
+                return True
+        return False
+
+    case = violation.case
+    for r in case.workload.requests:
+        if time.monotonic() > deadline:
+            return best, checks
+        tiny = replace(case, workload=Workload((replace(r, prompt_token_ids=r.prompt_token_ids[:1], max_tokens=1,
+                                                        arrival_step=0),)))
+        if tiny != case and fails(tiny):
+            case = tiny
+            break
+    progress = True
+    while progress and checks < max_checks and time.monotonic() < deadline:
+        progress = False
+        for cand in candidates(case):
+            if cand is None or cand.config != case.config:
+                continue
+            if time.monotonic() > deadline or checks >= max_checks:
+                break
+            if fails(cand):
+                case, progress = cand, True
+                break
+    return best, checks
+
+
+# -- campaign ---------------------------------------------------------------------------------
+
+@dataclass
+class CellSummary:
+    name: str
+    examples: int = 0
+    seconds: float = 0.0
+    starts: int = 0
+    startup_s: float = 0.0
+    failures: list = field(default_factory=list)
+    known: list = field(default_factory=list)
+    stopped: str = ""
+    repeats: int = 0  # failures of a property this cell had already reported (not re-written)
+    max_lp_error: float = 0.0
+    divergences: int = 0
+
+    def to_json(self) -> dict:
+        return {"examples": self.examples, "seconds": round(self.seconds, 2),
+                "examples_per_s": round(self.examples / self.seconds, 3) if self.seconds else None,
+                "engine_starts": self.starts, "startup_s": round(self.startup_s, 1),
+                "failures": self.failures, "known": self.known, "stopped": self.stopped, "repeats": self.repeats,
+                "max_lp_error_vs_reference": self.max_lp_error, "near_tie_divergences": self.divergences}
+
+
+@dataclass
+class VLLMSummary:
+    cells: list = field(default_factory=list)
+    seconds: float = 0.0
+    vllm_version: str | None = None
+    interrupted: bool = False
+
+    @property
+    def failures(self) -> list:
+        return [f for c in self.cells for f in c.failures]
+
+    def to_json(self) -> dict:
+        return {"vllm_version": self.vllm_version, "seconds": round(self.seconds, 1),
+                "examples": sum(c.examples for c in self.cells), "failures": self.failures,
+                "per_cell": {c.name: c.to_json() for c in self.cells}, "interrupted": self.interrupted}
+
+    def table(self) -> str:
+        rows = [f"{'cell':<44}{'examples':>9}{'ex/s':>7}{'starts':>7}{'start s':>8}{'fail':>5}{'known':>6}  note"]
+        for c in self.cells:
+            rate = f"{c.examples / c.seconds:.2f}" if c.seconds else "-"
+            rows.append(f"{c.name:<44}{c.examples:>9}{rate:>7}{c.starts:>7}{c.startup_s:>8.1f}"
+                        f"{len(c.failures):>5}{len(c.known):>6}  {c.stopped}")
+        return "\n".join(rows)
+
+
+class _Found(Exception):
+    pass
+
+
+class VLLMCampaign:
+    def __init__(self, cells, *, budget_s: float, out_dir: str = "reproducers/vllm", seed: int = 0,
+                 known: set[str] | None = None, max_requests: int = 8, chunk: int = 10,
+                 shrink_s: float = 300.0, min_cell_s: float = 60.0, progress: bool = True, checker=None) -> None:
+        self.cells = list(cells)
+        self.budget_s, self.out_dir, self.seed = budget_s, out_dir, seed
+        self.known = known or set()
+        self.max_requests, self.chunk, self.shrink_s, self.min_cell_s = max_requests, chunk, shrink_s, min_cell_s
+        self.progress = progress
+        self._checker = checker
+
+    def _log(self, msg: str) -> None:
+        if self.progress:
+            sys.stderr.write(msg + "\n")
+            sys.stderr.flush()
+
+    def run(self) -> VLLMSummary:
+        from hypothesis import HealthCheck, Phase, given, seed as hseed, settings
+
+        from fuzz.case import Case, RequestSpec, Workload
+        from fuzz.properties import Violation
+        from fuzz.strategies import workloads
+        from fuzz.targets import TargetFailure
+        from fuzz.targets.vllm_target import VLLMChecker, cell_name, violation_for
+
+        checker = self._checker or VLLMChecker()
+        target = checker.target
+        summary = VLLMSummary()
+        t_start = time.monotonic()
+        end = t_start + self.budget_s
+        try:
+            for ci, (cfg, opts) in enumerate(self.cells):
+                now = time.monotonic()
+                if now >= end:
+                    break
+                name = cell_name(cfg, opts)
+                cs = CellSummary(name)
+                summary.cells.append(cs)
+                cell_end = now + max(self.min_cell_s, (end - now) / (len(self.cells) - ci))
+                st0 = target.stats.get(name)
+                s0, ss0 = (st0.starts, st0.startup_s) if st0 else (0, 0.0)
+                self._log(f"[vllm] cell {name}: starting engine")
+                try:
+                    target.ensure(cfg, opts)
+                except TargetFailure as f:
+                    v = violation_for(f, Case(cfg, Workload((RequestSpec((1,), 1),))))
+                    self._on_failure(cs, v, checker, opts, minimize=False)
+                    cs.stopped = f"engine did not start ({f.signature})"
+                    self._account(cs, target, name, s0, ss0)
+                    continue
+                found: dict = {}
+                t_cell = time.monotonic()
+                body = self._body(checker, cfg, opts, cs, cell_end, found)
+                i = 0
+                while time.monotonic() < cell_end and not cs.stopped:
+                    strat = workloads(cfg, self.max_requests)
+                    test = settings(max_examples=self.chunk, deadline=None, database=None,
+                                    phases=(Phase.explicit, Phase.generate),
+                                    suppress_health_check=list(HealthCheck))(given(strat)(body))
+                    test = hseed(self.seed * 100003 + ci * 1009 + i)(test)
+                    i += 1
+                    found.clear()
+                    try:
+                        test()
+                    except Violation as v:
+                        self._on_failure(cs, v, checker, opts)
+                    except BaseExceptionGroup as g:
+                        vs, rest = g.split(Violation)
+                        if vs is None:
+                            raise
+                        self._on_failure(cs, found.get("v") or vs.exceptions[0], checker, opts)
+                self._log(f"[vllm] cell {name}: {cs.examples} examples in {time.monotonic() - t_cell:.0f}s"
+                          + (f" ({cs.stopped})" if cs.stopped else ""))
+                self._account(cs, target, name, s0, ss0)
+        except KeyboardInterrupt:
+            summary.interrupted = True
+        finally:
+            summary.seconds = time.monotonic() - t_start
+            summary.vllm_version = target.vllm_version
+            if self._checker is None:
+                checker.close()
+        return summary
+
+    def _body(self, checker, cfg, opts, cs: CellSummary, cell_end: float, found: dict):
+        """The Hypothesis test body for one cell (a closure: @given takes no defaults)."""
+        from fuzz.case import Case
+        from fuzz.properties import Violation
+
+        def body(wl) -> None:
+            if "v" in found:  # Hypothesis replays the failing example: do not rerun it
+                raise found["v"]
+            if time.monotonic() > cell_end:
+                return
+            case = Case(cfg, wl)
+            t0 = time.perf_counter()
+            try:
+                verdict = checker.check(case, opts)
+                cs.max_lp_error = max(cs.max_lp_error, verdict.vs_reference.max_lp_error)
+                cs.divergences += len(verdict.vs_reference.divergences)
+            except Violation as v:
+                found["v"] = v
+                raise
+            finally:
+                cs.examples += 1
+                cs.seconds += time.perf_counter() - t0
+            if cs.examples % 25 == 0:
+                self._log(f"[vllm] {cs.name}: {cs.examples} examples, {cs.examples / max(cs.seconds, 1e-9):.2f}/s")
+        return body
+
+    @staticmethod
+    def _account(cs: CellSummary, target, name: str, s0: int, ss0: float) -> None:
+        st = target.stats.get(name)
+        if st is not None:
+            cs.starts, cs.startup_s = st.starts - s0, st.startup_s - ss0
+
+    def _on_failure(self, cs: CellSummary, v, checker, opts, minimize: bool = True) -> None:
+        from fuzz.targets.vllm_target import VLLMCrash
+
+        sig = getattr(v, "signature", None)
+        crash = isinstance(v, VLLMCrash)
+        if crash and sig in self.known:
+            cs.known.append(sig)
+            cs.stopped = f"known failure {sig}"
+            self._log(f"[vllm] {cs.name}: known failure {sig}; cell stopped")
+            return
+        if not crash and any(f["property"] == v.property for f in cs.failures):
+            cs.repeats += 1
+            return
+        self._log(f"[vllm] {cs.name}: FOUND {v.property}: {v.message[:300]}\n        case: {v.case.describe()}")
+        first = write_vllm_reproducer(self.out_dir, v, opts, checker.target)
+        checks = 0
+        if minimize:
+            t0 = time.monotonic()
+            v, checks = minimize_vllm(v, checker, opts, deadline=t0 + self.shrink_s)
+            self._log(f"[vllm] {cs.name}: shrunk in {checks} checks, {time.monotonic() - t0:.0f}s: "
+                      f"{v.case.describe()}")
+        path = write_vllm_reproducer(self.out_dir, v, opts, checker.target)
+        if first != path and os.path.exists(first):
+            os.unlink(first)
+        cs.failures.append({"property": v.property, "message": v.message[:500], "signature": sig,
+                            "case": v.case.describe(), "path": path, "shrink_checks": checks})
+        self._log(f"[vllm]   -> {path}\n         replay: llmfuzz vllm replay {path}")
+        if crash:
+            cs.stopped = f"crashed ({v.property}: {sig})"
+
+
+# -- replay -----------------------------------------------------------------------------------
+
+def replay(path: str, checker=None):
+    """Re-run a reproducer against the installed vLLM: (reproducer, violation or None)."""
+    from fuzz.properties import Violation
+    from fuzz.reproduce import load_reproducer
+    from fuzz.targets.vllm_target import VLLMChecker, VLLMOptions
+
+    repro = load_reproducer(path)
+    opts = VLLMOptions.from_dict((repro.meta or {}).get("vllm_options"))
+    own = checker is None
+    checker = checker or VLLMChecker()
+    try:
+        checker.check(repro.case, opts)
+        return repro, None, checker.target.vllm_version
+    except Violation as v:
+        return repro, v, checker.target.vllm_version
+    finally:
+        if own:
+            checker.close()
+
+
+# -- CLI --------------------------------------------------------------------------------------
+
+def _cmd_run(args) -> int:
+    from fuzz.targets import TargetUnavailable
+
+    cells = cells_by_name()
+    if args.cells:
+        chosen = []
+        for n in filter(None, (s.strip() for s in args.cells.split(","))):
+            if n not in cells:
+                print(f"llmfuzz vllm run: unknown cell {n!r} (see `llmfuzz vllm cells`)", file=sys.stderr)
+                return EXIT_BAD_INPUT
+            chosen.append(cells[n])
+    else:
+        chosen = list(cells.values())
+    if args.budget <= 0:
+        print(f"llmfuzz vllm run: --budget {args.budget} is not a positive number of seconds", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        known = load_known(args.known)
+    except OSError as e:
+        print(f"llmfuzz vllm run: --known {args.known}: {e.strerror}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        camp = VLLMCampaign(chosen, budget_s=args.budget, out_dir=args.out, seed=args.seed, known=known,
+                            max_requests=args.max_requests, shrink_s=args.shrink_budget,
+                            progress=not args.json)
+        summary = camp.run()
+    except TargetUnavailable as e:
+        print(f"llmfuzz vllm: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.json:
+        print(json.dumps(summary.to_json(), indent=1))
+    else:
+        print(f"vLLM {summary.vllm_version}, {summary.seconds:.0f}s")
+        print(summary.table())
+        for f in summary.failures:
+            print(f"\nFAILED {f['property']}: {f['message'][:300]}\n  case: {f['case']}\n"
+                  f"  Reproduce with: llmfuzz vllm replay {f['path']}")
+    return EXIT_FAIL if summary.failures else EXIT_OK
+
+
+def _cmd_replay(args) -> int:
+    from fuzz.case import CaseFormatError
+    from fuzz.targets import TargetUnavailable
+
+    try:
+        repro, v, version = replay(args.file)
+    except CaseFormatError as e:
+        print(f"llmfuzz vllm replay: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except (TargetUnavailable, ValueError) as e:
+        print(f"llmfuzz vllm replay: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    meta = repro.meta or {}
+    rec_sig = meta.get("signature")
+    same = v is not None and v.property == repro.property and getattr(v, "signature", None) == rec_sig
+    if args.json:
+        print(json.dumps({"file": args.file, "reproduces": v is not None, "same_failure": same,
+                          "property": getattr(v, "property", None), "message": str(v) if v else None,
+                          "signature": getattr(v, "signature", None), "recorded_property": repro.property,
+                          "recorded_signature": rec_sig, "vllm_version": version,
+                          "recorded_vllm_version": meta.get("vllm_version")}))
+    else:
+        print(f"Failing case: {repro.case.describe()}  [vLLM {version}; recorded with "
+              f"{meta.get('vllm_version')}; options {meta.get('vllm_options')}]\n  file: {args.file}")
+        if v is None:
+            print(f"What was violated: nothing now; the case passes (recorded: {repro.property}: {repro.message})")
+        else:
+            print(f"What was violated: {v.property}: {v}" + ("" if same else
+                  f"\n  (recorded: {repro.property}: {repro.message})"))
+        print(f"Reproduce with: llmfuzz vllm replay {args.file}")
+    return EXIT_FAIL if v is not None else EXIT_OK
+
+
+def _cmd_cells(args) -> int:
+    from fuzz.targets.vllm_target import llm_kwargs
+
+    for name, (cfg, opts) in cells_by_name().items():
+        print(f"{name}\n    {llm_kwargs(cfg, opts)}")
+    return EXIT_OK
+
+
+def add_vllm_parser(subparsers) -> None:
+    """`llmfuzz vllm run|replay|cells` (imports nothing heavy until a command runs)."""
+    v = subparsers.add_parser("vllm", help="fuzz a real vLLM (needs vLLM: scripts/setup_vllm_cpu.sh, docs/vllm.md)")
+    vs = v.add_subparsers(dest="vllm_cmd", required=True)
+    r = vs.add_parser("run", help="time-budgeted campaign against vLLM")
+    r.add_argument("--budget", type=float, default=600.0, help="seconds (default 600)")
+    r.add_argument("--cells", default="", help="comma list of cells (default: all; see `llmfuzz vllm cells`)")
+    r.add_argument("--known", default=None, help="known-failures file: one crash signature per line")
+    r.add_argument("--out", default="reproducers/vllm", help="reproducer directory (default reproducers/vllm)")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--max-requests", type=int, default=8)
+    r.add_argument("--shrink-budget", type=float, default=300.0, help="seconds per failure for shrinking")
+    r.add_argument("--json", action="store_true")
+    r.set_defaults(fn=_cmd_run)
+    rp = vs.add_parser("replay", help="re-run a vLLM reproducer: exit 1 if it still fails")
+    rp.add_argument("file")
+    rp.add_argument("--json", action="store_true")
+    rp.set_defaults(fn=_cmd_replay)
+    c = vs.add_parser("cells", help="list the vLLM configs a campaign visits")
+    c.set_defaults(fn=_cmd_cells)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m fuzz.targets.vllm_campaign run ...` (the same as `llmfuzz vllm run ...`)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="llmfuzz")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    add_vllm_parser(sub)
+    args = p.parse_args(["vllm", *(argv if argv is not None else sys.argv[1:])])
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
