@@ -533,27 +533,31 @@ def test_cli_registration_when_present():
 def test_gpu_torch_varlen_guarded():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    import inspect
+
+    # torch's varlen API moves between releases: pass only what this torch accepts.
+    params = inspect.signature(tvarlen.varlen_attn).parameters
+    kw = {k: v for k, v in (("enable_gqa", True), ("window_size", (-1, 0))) if k in params}
     dev = "cuda"
     q = torch.randn(12, 4, 64, dtype=torch.float16, device=dev)
     kv = torch.randn(12, 2, 64, dtype=torch.float16, device=dev)
     cu = torch.tensor([0, 2, 12], dtype=I32, device=dev)
-    plain = tvarlen.varlen_attn(q, kv, kv, cu, cu, 10, 10, enable_gqa=True, window_size=(-1, 0))
+    plain = tvarlen.varlen_attn(q, kv, kv, cu, cu, 10, 10, **kw)
     guard.install("raise")
-    out = tvarlen.varlen_attn(q, kv, kv, cu, cu, 10, 10, enable_gqa=True, window_size=(-1, 0))
+    out = tvarlen.varlen_attn(q, kv, kv, cu, cu, 10, 10, **kw)
     assert torch.equal(out, plain)
     with pytest.raises(FAInvariantError, match=UNDERSTATED):
-        tvarlen.varlen_attn(q, kv, kv, cu, cu, 2, 10, enable_gqa=True, window_size=(-1, 0))
+        tvarlen.varlen_attn(q, kv, kv, cu, cu, 2, 10, **kw)
     # Inside graph capture: shapes only, no synchronisation (a sync would fail the capture).
-    static_out = torch.empty_like(q)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        tvarlen.varlen_attn_out(static_out, q, kv, kv, cu, cu, 10, 10, enable_gqa=True)
+        tvarlen.varlen_attn(q, kv, kv, cu, cu, 10, 10, **kw)
     torch.cuda.current_stream().wait_stream(s)
     before = guard.stats()["host_only_checks"]
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        tvarlen.varlen_attn_out(static_out, q, kv, kv, cu, cu, 10, 10, enable_gqa=True)
+        tvarlen.varlen_attn(q, kv, kv, cu, cu, 10, 10, **kw)
     g.replay()
     torch.cuda.synchronize()
     assert guard.stats()["host_only_checks"] == before + 1
