@@ -40,7 +40,7 @@ class Driver:
             self.outputs.append(so)
         assert self.in_flight, "scheduler stalled with unfinished requests"
         so, expect = self.in_flight.popleft()
-        self.s.update_from_output(so, {rid: 7 for rid in expect})
+        self.s.update_from_output(so, {rid: [7] for rid in expect})  # one verified token each
         self.s.kv.check_accounting()
 
     def run(self, max_steps: int = 10000) -> None:

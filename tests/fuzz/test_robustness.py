@@ -50,8 +50,12 @@ def test_signal_keeps_found_failure_and_prints_summary(tmp_path, sig):
     _wait_for(proc, "FOUND", 90)  # the failure is on disk from here on
     proc.send_signal(sig)
     t0 = time.monotonic()
-    out, _ = proc.communicate(timeout=30)
-    assert time.monotonic() - t0 < 15, "did not stop within a few seconds"
+    try:
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        proc.kill()  # never leave a campaign running behind a failed test
+    # A few seconds on an idle machine (measured: ~1 s); the bound leaves room for a loaded CI.
+    assert time.monotonic() - t0 < 30, "did not stop within a few seconds"
     assert proc.returncode == 1  # failures found still means 1
     assert "layout" in out and "total" in out and "interrupted" in out  # the summary so far
     files = list((tmp_path / "repro").rglob("*.json"))
@@ -64,7 +68,10 @@ def test_sigterm_on_clean_campaign_exits_zero_quickly(tmp_path):
     _wait_for(proc, "campaign started", 60)
     time.sleep(3)
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=30)
+    try:
+        out, err = proc.communicate(timeout=90)
+    finally:
+        proc.kill()
     assert proc.returncode == 0, err[-2000:]
     summary = json.loads(out)
     assert summary["interrupted"] is True and summary["failures"] == 0
@@ -81,7 +88,7 @@ def test_bad_reproducer_files_exit_2_without_executing(tmp_path):
         p = tmp_path / name
         p.write_text(text)
         r = subprocess.run([sys.executable, "-m", "fuzz.cli", "replay", str(p)], capture_output=True, text=True,
-                           env=env, cwd=tmp_path, timeout=60)
+                           env=env, cwd=tmp_path, timeout=180)
         assert r.returncode == 2, (name, r.stderr)
         assert len(r.stderr.strip().splitlines()) == 1, (name, r.stderr)
     assert not (tmp_path / "PWNED").exists()
