@@ -46,6 +46,7 @@ class Summary:
     interrupted: bool = False
     first_failure_s: float | None = None  # time and examples until the first failure was seen
     first_failure_examples: int | None = None
+    write_errors: int = 0  # failures that could not be written (their Case went to stderr)
 
     def to_json(self) -> dict:
         return {
@@ -56,7 +57,7 @@ class Summary:
             "per_cell": {f"{k[0]}/{k[1]}": {"examples": c.examples, "failures": c.failures,
                                              "examples_per_s": round(c.examples / c.seconds, 2) if c.seconds else None}
                          for k, c in sorted(self.cells.items())},
-            "interrupted": self.interrupted,
+            "interrupted": self.interrupted, "write_errors": self.write_errors,
         }
 
     def table(self) -> str:
@@ -120,6 +121,18 @@ class Campaign:
             self.summary.examples += 1
             self._print_progress()
 
+    def _write(self, v: Violation) -> str | None:
+        """Write a reproducer; when the disk is full or the directory unwritable, print the
+        Case in full instead, so the failure is not lost, and remember it for the exit code."""
+        try:
+            return write_reproducer(self.out_dir, v.case, v.property, v.message, v.error_ratio)
+        except OSError as e:
+            self.summary.write_errors += 1
+            sys.stderr.write(f"\nllmfuzz: cannot write reproducer to {self.out_dir} ({e.strerror or e}); "
+                             f"the failing Case follows as JSON:\n{v.case.to_json()}\n")
+            sys.stderr.flush()
+            return None
+
     def _on_failure(self, v: Violation) -> None:
         """A failure is on disk the moment it is seen, before shrinking: nothing is lost if
         the campaign is killed mid-shrink. Shrunk versions replace it."""
@@ -127,7 +140,7 @@ class Campaign:
             self.summary.first_failure_s = time.monotonic() - self._t0
             self.summary.first_failure_examples = self.summary.examples + 1
         if self._first_path is None:
-            self._first_path = write_reproducer(self.out_dir, v.case, v.property, v.message, v.error_ratio)
+            self._first_path = self._write(v)
         self._smallest = v
 
     def _print_progress(self, force: bool = False) -> None:
@@ -155,11 +168,11 @@ class Campaign:
             except KeyboardInterrupt:
                 v, interrupted = self._min_best, True
         case = v.case
-        path = write_reproducer(self.out_dir, case, v.property, v.message, v.error_ratio)
+        path = self._write(v)
         if self._first_path and self._first_path != path and os.path.exists(self._first_path):
             os.unlink(self._first_path)
         self._first_path, self._smallest = None, None
-        if not any(f.path == path for f in self.summary.failures):
+        if path is None or not any(f.path == path for f in self.summary.failures):
             self.summary.failures.append(Failure(v.property, v.message, case.describe(), path, v.error_ratio))
             self.summary.cells.setdefault((case.layout, case.mode), CellStats()).failures += 1
         if self.progress:

@@ -2,7 +2,8 @@
 
 Exit codes: 0 nothing failed (or a replayed case passes now), 1 a failure was found /
 reproduces, 2 bad input (one line on stderr naming the problem, before any rank starts),
-130 interrupted before a campaign could summarise (a campaign interrupted by SIGINT or
+3 a failure was found but its reproducer could not be written (the Case JSON went to
+stderr), 130 interrupted before a campaign could summarise (a campaign interrupted by SIGINT or
 SIGTERM prints its summary so far and exits 0 or 1 as above).
 Torch is imported only by the commands that need it, so `llmfuzz --help` starts fast.
 """
@@ -12,7 +13,7 @@ import argparse
 import json
 import sys
 
-EXIT_OK, EXIT_FAIL, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_FAIL, EXIT_BAD_INPUT, EXIT_UNWRITTEN, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
 class BadInput(Exception):
@@ -77,6 +78,8 @@ def cmd_run(args) -> int:
                   f"  Reproduce with: llmfuzz replay {f.path}")
         if summary.interrupted:
             print("(interrupted: summary so far)")
+    if summary.write_errors:
+        return EXIT_UNWRITTEN
     return EXIT_FAIL if summary.failures else EXIT_OK
 
 

@@ -199,10 +199,6 @@ class VLLMSummary:
         return "\n".join(rows)
 
 
-class _Found(Exception):
-    pass
-
-
 class VLLMCampaign:
     def __init__(self, cells, *, budget_s: float, out_dir: str = "reproducers/vllm", seed: int = 0,
                  known: set[str] | None = None, max_requests: int = 8, chunk: int = 10,
@@ -352,7 +348,7 @@ class VLLMCampaign:
 # -- replay -----------------------------------------------------------------------------------
 
 def replay(path: str, checker=None):
-    """Re-run a reproducer against the installed vLLM: (reproducer, violation or None)."""
+    """Re-run a reproducer against the installed vLLM: (reproducer, violation or None, vLLM version)."""
     from fuzz.properties import Violation
     from fuzz.reproduce import load_reproducer
     from fuzz.targets.vllm_target import VLLMChecker, VLLMOptions

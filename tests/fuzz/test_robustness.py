@@ -92,3 +92,18 @@ def test_bad_reproducer_files_exit_2_without_executing(tmp_path):
         assert r.returncode == 2, (name, r.stderr)
         assert len(r.stderr.strip().splitlines()) == 1, (name, r.stderr)
     assert not (tmp_path / "PWNED").exists()
+
+
+def test_unwritable_output_prints_case_and_exits_3(tmp_path):
+    """/proc refuses new files even for root: the failure must reach stderr whole."""
+    env = dict(os.environ, PYTHONPATH=REPO)
+    r = subprocess.run([sys.executable, "-m", "fuzz.cli", "run", "--out", "/proc/llmfuzz-unwritable",
+                        "--budget", "60", "--fault", "pp_stale_new_token_ids", "--layouts", "tp1pp2",
+                        "--modes", "eager", "--quiet"], capture_output=True, text=True, env=env, cwd=tmp_path,
+                       timeout=400)
+    assert r.returncode == 3, r.stderr[-2000:]
+    assert "cannot write reproducer" in r.stderr
+    line = r.stderr.split("the failing Case follows as JSON:\n", 1)[1].splitlines()[0]
+    from fuzz.case import Case
+
+    assert Case.from_json(line).faults == ("pp_stale_new_token_ids",)
