@@ -114,6 +114,10 @@ def cmd_replay(args) -> int:
     from fuzz.reproduce import replay_report
 
     repro = _load(args.file)
+    if (repro.meta or {}).get("target") == "vllm":  # a vLLM finding replays on vLLM
+        from fuzz.targets.vllm_campaign import _cmd_replay
+
+        return _cmd_replay(args)
     h = Harness()
     violation = None
     try:
@@ -269,6 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     from fuzz.report import add_report_parser
 
     add_report_parser(sub)
+    from fuzz.targets.vllm_campaign import add_vllm_parser
+
+    add_vllm_parser(sub)
     return p
 
 
