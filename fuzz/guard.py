@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fuzz import _guard_autoinstall as _hook
-from fuzz.invariants import (FAInvariantError, _as_int, _check_device, _check_qkv, _fail,
+from fuzz.invariants import (FAInvariantError, _as_int, _check_device, _check_qkv, _fail, _index_shape,
                              check_varlen_args)
 
 __all__ = ["FAGuardWarning", "FAInvariantError", "MODES", "TARGETS", "Target", "check_varlen_shapes",
@@ -124,20 +124,6 @@ _MISSING = object()
 
 
 # -- host-visible checks ------------------------------------------------------------------------
-def _index_shape(name: str, t: object, device: torch.device, dims: int,
-                 dtypes: tuple[torch.dtype, ...] = (torch.int32,)) -> torch.Tensor:
-    """`_int_tensor`'s rules that need no values: type, dtype, device, rank, stride."""
-    if not isinstance(t, torch.Tensor):
-        _fail(name, f"{name} must be a tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        _fail(name, f"{name} has dtype {t.dtype}, expected {' or '.join(map(str, dtypes))}")
-    _check_device(name, t, device)
-    if t.dim() != dims:
-        _fail(name, f"{name} must be {dims}-D, got shape {tuple(t.shape)}")
-    if t.numel() > 1 and t.size(-1) > 1 and t.stride(-1) != 1:
-        _fail(name, f"{name} has stride(-1)={t.stride(-1)}, the kernel needs 1")
-    return t
-
 
 def _host_int(name: str, x: object) -> int | None:
     """An integer scalar's value when it is on the host; None for a device tensor (reading it

@@ -91,9 +91,10 @@ def _check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
         _fail(name, f"{name} is on {t.device} but q is on {device}")
 
 
-def _int_tensor(name: str, t: object, device: torch.device, dims: int,
-                dtypes: tuple[torch.dtype, ...] = (torch.int32,)) -> torch.Tensor:
-    """Check an index tensor's type, device, rank and layout; return its values as CPU int64."""
+def _index_shape(name: str, t: object, device: torch.device, dims: int,
+                 dtypes: tuple[torch.dtype, ...] = (torch.int32,)) -> torch.Tensor:
+    """An index tensor's type, dtype, device, rank and layout: the rules that need no values
+    (the FA guard uses these alone inside CUDA graph capture)."""
     if not isinstance(t, torch.Tensor):
         _fail(name, f"{name} must be a tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
@@ -101,11 +102,18 @@ def _int_tensor(name: str, t: object, device: torch.device, dims: int,
     _check_device(name, t, device)
     if t.dim() != dims:
         _fail(name, f"{name} must be {dims}-D, got shape {tuple(t.shape)}")
-    if t.device.type == "meta":
-        _fail(name, f"{name} is a meta tensor; its values are needed")
     # The kernel indexes these with a unit inner stride (CHECK_CONTIGUOUS / stride(-1) == 1).
     if t.numel() > 1 and t.size(-1) > 1 and t.stride(-1) != 1:
         _fail(name, f"{name} has stride(-1)={t.stride(-1)}, the kernel needs 1")
+    return t
+
+
+def _int_tensor(name: str, t: object, device: torch.device, dims: int,
+                dtypes: tuple[torch.dtype, ...] = (torch.int32,)) -> torch.Tensor:
+    """Check an index tensor (`_index_shape`) and return its values as CPU int64."""
+    _index_shape(name, t, device, dims, dtypes)
+    if t.device.type == "meta":
+        _fail(name, f"{name} is a meta tensor; its values are needed")
     # int64 on the CPU, once: sums and products below must not overflow int32.
     return t.detach().to("cpu", torch.int64)
 
