@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engine.config import EngineConfig
+from engine.executor import ExecutorMessages
 from engine.dist_worker_main import STARTUP_TIMEOUT_S, recv_msg, send_msg, worker_main
 from engine.inproc_world import RankFailure
 from engine.schedule import Schedule
@@ -48,7 +49,7 @@ def _reap(procs: list, conns: list) -> None:
     conns.clear()
 
 
-class DistExecutor:
+class DistExecutor(ExecutorMessages):
     """Same API as InProcExecutor: reset, submit, collect, fa_records, shutdown."""
 
     def __init__(self, cfg: EngineConfig, record_fa: bool = False,
@@ -204,17 +205,6 @@ class DistExecutor:
             self._start()  # a failed Case cost its processes; the next one gets fresh ranks
         self._broadcast(("reset", tuple(faults), schedule.copy_delay == 0.0, schedule))
         self._wait(("reset",), "reset")
-
-    def submit(self, so) -> None:
-        self._broadcast(("step", so))
-
-    def collect(self, microbatch: int) -> dict[int, object]:
-        return self._wait(("step", microbatch), f"microbatch {microbatch}")
-
-    def fa_records(self) -> list:
-        self._broadcast(("records",))
-        per_rank = self._wait(("records",), "FA records")
-        return [r for rank in sorted(per_rank) for r in per_rank[rank]]
 
     def shutdown(self) -> None:
         """Stop the workers, join them within a bound, kill stragglers. Idempotent."""

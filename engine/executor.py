@@ -52,7 +52,23 @@ class _InProcChannel(Channel):
         return self.ex.world.sched.run_ahead()
 
 
-class InProcExecutor:
+class ExecutorMessages:
+    """The driver's side of the worker protocol, shared by both worlds: a world supplies
+    `_broadcast(msg)` (to every rank) and `_wait(key, what)` (every rank's result)."""
+
+    def submit(self, so) -> None:
+        self._broadcast(("step", so))
+
+    def collect(self, microbatch: int) -> dict[int, object]:
+        return self._wait(("step", microbatch), f"microbatch {microbatch}")
+
+    def fa_records(self) -> list:
+        self._broadcast(("records",))
+        per_rank = self._wait(("records",), "FA records")
+        return [r for rank in sorted(per_rank) for r in per_rank[rank]]
+
+
+class InProcExecutor(ExecutorMessages):
     def __init__(self, cfg: EngineConfig, record_fa: bool = False) -> None:
         self.cfg = cfg
         if cfg.device == "cpu":
@@ -96,17 +112,6 @@ class InProcExecutor:
         self.world.set_schedule(schedule)
         self._broadcast(("reset", tuple(faults), schedule.copy_delay == 0.0))
         self._wait(("reset",), "reset")
-
-    def submit(self, so) -> None:
-        self._broadcast(("step", so))
-
-    def collect(self, microbatch: int) -> dict[int, object]:
-        return self._wait(("step", microbatch), f"microbatch {microbatch}")
-
-    def fa_records(self) -> list:
-        self._broadcast(("records",))
-        per_rank = self._wait(("records",), "FA records")
-        return [r for rank in sorted(per_rank) for r in per_rank[rank]]
 
     def shutdown(self) -> None:
         # Graceful stop only when every rank is parked; a rank caught mid-step (Ctrl-C while
