@@ -6,12 +6,15 @@ the Schedule lands it, a host `wait` forces it, or the compute launched after it
 (stream order). A pending copy reads its source when it lands, as DMA from pinned memory
 does, so a host write to the source before the copy landed is visible, deterministically,
 in the result. On CUDA the same API issues real `non_blocking` copies on a side stream with
-events, and the Schedule's delays become `torch.cuda._sleep` before each copy.
+events, and the Schedule's delays become `torch.cuda._sleep` before each copy
+(`CudaAsyncCopier`): there the hardware decides when a copy lands, and the Schedule only
+widens the window.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -126,3 +129,116 @@ class AsyncCopier:
     def _land(h: CopyHandle) -> None:
         h.dst.copy_(h.src)
         h.landed = True
+
+
+# About 1 ms on an H200 (1.98 GHz): longer than the host needs to prepare the next
+# microbatch, so a copy delayed by the Schedule is still pending when the host writes its
+# source again. One delay holds every later copy of the stream too (stream order).
+GPU_COPY_DELAY_CYCLES = 2_000_000
+
+
+class CudaAsyncCopier(AsyncCopier):
+    """Real `non_blocking` copies on CUDA, with the same API as the CPU model.
+
+    Host-to-device staging copies go on the rank's compute stream, as vLLM issues them: they
+    are ordered with compute, and the DMA reads the pinned source when the stream reaches
+    it, so a host write before then is the real race of field note 2. A host that prepares
+    the next microbatch before the current one's kernels are enqueued (`launch` without
+    `start_compute` yet) must not let its copies overtake them, as in the CPU model: such
+    copies are issued when that compute has been enqueued (`end_compute`). Copies issued inside
+    compute (received PP tensors into the persistent buffer) go on a side stream, as a copy
+    overlapping compute does; `wait` orders the compute stream after them (no host sync),
+    and skipping it is the real race of field notes 3 and 5. `should_delay` is the
+    Schedule's decision, per copy, to put a `torch.cuda._sleep` in front of it.
+    """
+
+    def __init__(self, device: str, land_immediately: bool = True) -> None:
+        super().__init__(land_immediately)
+        self.device = torch.device(device)
+        self.side = torch.cuda.Stream(self.device)
+        self.should_delay: Callable[[], bool] | None = None
+        self.delay_cycles = GPU_COPY_DELAY_CYCLES
+        self.num_delays = 0
+        self._inflight: list[CopyHandle] = []
+        self._unstarted: list[int] = []  # launched microbatches whose kernels are not enqueued
+        self._deferred: list[tuple[int, CopyHandle]] = []  # (microbatch it waits behind, copy)
+
+    def _maybe_sleep(self) -> None:
+        if not self.land_immediately and self.should_delay is not None and self.should_delay():
+            torch.cuda._sleep(self.delay_cycles)
+            self.num_delays += 1
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> CopyHandle:
+        h = CopyHandle(self._seq, dst, src, event=torch.cuda.Event())
+        self._seq += 1
+        self.num_copies += 1
+        if self.computing is not None and src.is_cuda:
+            compute = torch.cuda.current_stream(self.device)
+            self.side.wait_stream(compute)  # the source is produced by compute so far
+            with torch.cuda.stream(self.side):
+                self._maybe_sleep()
+                dst.copy_(src, non_blocking=True)
+                h.event.record(self.side)
+            src.record_stream(self.side)  # the allocator must not reuse it while pending
+            self.in_compute.append(h)
+        elif self._unstarted:
+            self._deferred.append((self._unstarted[-1], h))
+        else:
+            self._issue(h)
+        return h
+
+    def _issue(self, h: CopyHandle) -> None:
+        self._maybe_sleep()
+        h.dst.copy_(h.src, non_blocking=True)
+        h.event.record()
+        self._inflight = [c for c in self._inflight if not c.event.query()] + [h]
+
+    def launch(self, microbatch: int) -> None:
+        # Copies issued before now are ahead of this compute on the stream already.
+        self._unstarted.append(microbatch)
+
+    def start_compute(self, microbatch: int) -> None:
+        if microbatch in self._unstarted:
+            self._unstarted.remove(microbatch)
+        self.computing = microbatch
+
+    def end_compute(self, microbatch: int) -> None:
+        compute = torch.cuda.current_stream(self.device)
+        for h in self.in_compute:  # nothing issued by a compute outlives it
+            compute.wait_event(h.event)
+        self.in_compute.clear()
+        self.computing = None
+        # This compute is enqueued: the copies held behind it may go, in order.
+        while self._deferred and self._deferred[0][0] not in self._unstarted:
+            self._issue(self._deferred.pop(0)[1])
+
+    def wait(self, h: CopyHandle) -> None:
+        for mb, d in self._deferred:
+            if d is h:
+                raise RuntimeError(f"wait on copy {h.seq} queued behind microbatch {mb}")
+        if h in self.in_compute:
+            torch.cuda.current_stream(self.device).wait_event(h.event)
+        else:
+            h.event.synchronize()
+        h.landed = True
+
+    def land_head(self) -> bool:
+        return False  # the hardware lands copies; nothing is held back on the host
+
+    def pending(self) -> int:
+        self._inflight = [c for c in self._inflight if not c.event.query()]
+        return len(self._inflight)
+
+    def synchronize(self) -> None:
+        for _, h in self._deferred:  # nothing is left behind a compute that will never run
+            self._issue(h)
+        self._deferred.clear()
+        self._unstarted.clear()
+        self.side.synchronize()
+        torch.cuda.current_stream(self.device).synchronize()
+        self.in_compute.clear()
+        self._inflight.clear()
+
+
+def make_copier(device: str) -> AsyncCopier:
+    return CudaAsyncCopier(device) if device.startswith("cuda") else AsyncCopier()

@@ -70,7 +70,8 @@ class EngineConfig:
     cudagraph_mode: str = "NONE"
     capture_sizes: tuple[int, ...] = ()
     step_timeout_s: float = 60.0
-    # Speculative decoding (greedy verification; "ngram" = prompt lookup).
+    # Speculative decoding (greedy verification; "ngram" = prompt lookup in the driver,
+    # "eagle" = a draft head on the last PP rank, engine/eagle.py).
     speculative_method: str = "none"
     num_speculative_tokens: int = 0
 
@@ -94,7 +95,7 @@ class EngineConfig:
         _choice("attention_backend", self.attention_backend, _BACKENDS)
         _choice("cudagraph_mode", self.cudagraph_mode, _MODES)
         _choice("world", self.world, _WORLDS)
-        _choice("speculative_method", self.speculative_method, ("none", "ngram"))
+        _choice("speculative_method", self.speculative_method, ("none", "ngram", "eagle"))
         if self.speculative_method != "none" and not 1 <= self.num_speculative_tokens <= 8:
             raise ConfigError(f"num_speculative_tokens: {self.num_speculative_tokens} is not within 1..8 "
                               f"for speculative_method={self.speculative_method}")

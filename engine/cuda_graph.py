@@ -63,7 +63,12 @@ class GraphStore:
         self.pool = None
 
     def clear(self) -> None:
+        if self.graphs and self.device.startswith("cuda"):
+            torch.cuda.synchronize()
         self.graphs.clear()
+        # Graphs captured later get a fresh private pool: capturing into the pool of
+        # destroyed graphs trips the caching allocator (`use_count > 0` internal assert).
+        self.pool = None
 
     @property
     def num_graphs(self) -> int:

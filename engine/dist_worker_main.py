@@ -248,6 +248,7 @@ def worker_main(rank: int, cfg_dict: dict, store_port: int, prefix: str, conn, l
             "127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=STARTUP_TIMEOUT_S)))
         worker = init_rank(cfg, rank, record_fa, num_threads, store=store)
         chan.copier = worker.copier
+        worker.copier.should_delay = lambda: not chan.sched.land_now()
         chan.put(("ready",), True)
         worker.run_loop(chan)
     except (EOFError, BrokenPipeError, ConnectionResetError):

@@ -94,6 +94,8 @@ class InProcExecutor(ExecutorMessages):
                 w = Worker(cfg, make_groups(cfg, rank, factory), sd, record_fa)
                 self.workers[rank] = w
                 self.world.copiers[rank] = w.copier
+                # GPU copies land when the hardware says; the Schedule only delays them.
+                w.copier.should_delay = lambda: not self.world.sched.land_now()
                 self.channels[rank].put(("ready",), True)
                 w.run_loop(self.channels[rank])
             self.world.start(rank, main)

@@ -47,8 +47,9 @@ class CachedRequestState:
 class BlockTable:
     """Per-row block ids; row i belongs to the request in InputBatch row i."""
 
-    def __init__(self, max_rows: int, max_blocks: int) -> None:
-        self.table = torch.zeros(max_rows, max_blocks, dtype=torch.int32)
+    def __init__(self, max_rows: int, max_blocks: int, pin: bool = False) -> None:
+        # Pinned on CUDA, as in vLLM: its non_blocking copy then reads it when the DMA runs.
+        self.table = torch.zeros(max_rows, max_blocks, dtype=torch.int32, pin_memory=pin)
         self.num_blocks = [0] * max_rows
 
     def set_row(self, row: int, block_ids: list[int]) -> None:
@@ -64,13 +65,13 @@ class InputBatch:
     """Persistent rows: req_ids[i], token_ids[i], num_tokens[i], num_computed_tokens[i],
     block table row i. `num_scheduled[i]` is this microbatch's token count for row i."""
 
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks: int) -> None:
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks: int, pin: bool = False) -> None:
         self.max_num_reqs = max_num_reqs
         self.token_ids = torch.zeros(max_num_reqs, max_model_len, dtype=torch.int64)
         self.num_tokens = [0] * max_num_reqs
         self.num_computed_tokens = [0] * max_num_reqs
         self.num_scheduled = [0] * max_num_reqs
-        self.block_table = BlockTable(max_num_reqs, max_blocks)
+        self.block_table = BlockTable(max_num_reqs, max_blocks, pin)
         self.req_ids: list[str] = []
 
     @property

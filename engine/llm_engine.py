@@ -65,9 +65,15 @@ class LLMEngine:
         sc = scheduler_config or self.cfg
         if sc.max_num_batched_tokens > self.cfg.max_num_batched_tokens or sc.num_gpu_blocks > self.cfg.num_gpu_blocks:
             raise ConfigError("scheduler_config: budget or KV blocks exceed what the engine was built with")
+        built, wanted = self.cfg.speculative_method, sc.speculative_method
+        k_built, k_wanted = self.cfg.num_speculative_tokens, sc.num_speculative_tokens
+        if "eagle" in (built, wanted) and (built != wanted or k_wanted > k_built):
+            raise ConfigError(f"scheduler_config: speculative_method={wanted} on an engine built with {built}: "
+                              f"the EAGLE head lives on the ranks, so it is chosen when the engine is built")
         self.scheduler = Scheduler(sc)
         self.faults = tuple(faults)
-        # Drafting is driver-side, so the Case's config decides it, whatever the ranks were built with.
+        # N-gram drafting is driver-side, so the Case's config decides it, whatever the ranks
+        # were built with; EAGLE drafts come from the last rank's runner (ModelRunnerOutput).
         self.spec_cfg = sc
         self.proposer = NgramProposer(sc.num_speculative_tokens) if sc.speculative_method == "ngram" else None
         self.in_flight: deque[tuple[SchedulerOutput, set[str]]] = deque()
@@ -135,29 +141,44 @@ class LLMEngine:
             row += len(argmax)
         finished = self.scheduler.update_from_output(so, tokens,
                                                      rollback="spec_rollback_missing" not in self.faults)
-        self.propose_draft_token_ids(tokens)
+        self.take_draft_token_ids(tokens, so, out)
         self.scheduler.kv.check_accounting()
         self.trace.num_steps = self.step_count
         self.trace.num_preemptions = self.scheduler.num_preemptions
         return finished
 
-    def propose_draft_token_ids(self, sampled: dict[str, list[int]]) -> None:
-        """Drafts for the next decode of each request that just sampled (n-gram lookup over
-        the verified tokens, so teacher forcing and every layout see the same drafts)."""
-        if self.proposer is None:
+    def take_draft_token_ids(self, sampled: dict[str, list[int]], so: SchedulerOutput, out) -> None:
+        """Drafts for the next decode of each request that just sampled. N-gram: looked up here
+        over the verified tokens (it needs token ids only, and here they include teacher
+        forcing, so every layout sees the same drafts). EAGLE: proposed by the last rank's
+        runner from its hidden states (`GPUModelRunner.propose_draft_token_ids`) assuming its
+        own greedy tokens; where teacher forcing appended other tokens they continue a
+        different sequence, so they are dropped and that request decodes plainly once."""
+        method = self.spec_cfg.speculative_method
+        if method == "none":
             return
-        for rid in sampled:
+        for i, rid in enumerate(out.req_ids):
             req = self.scheduler.requests[rid]
-            if req.status is not RequestStatus.RUNNING:
+            if rid not in sampled or req.status is not RequestStatus.RUNNING:
                 continue
-            room = min(req.max_tokens - len(req.output_token_ids) - 1, self.spec_cfg.max_model_len - req.num_tokens)
-            req.spec_token_ids = self.proposer.propose(req.all_token_ids, max_k=room)
+            room = min(req.max_tokens - len(req.output_token_ids) - 1, self.spec_cfg.max_model_len - req.num_tokens,
+                       self.spec_cfg.num_speculative_tokens)
+            if method == "ngram":
+                req.spec_token_ids = self.proposer.propose(req.all_token_ids, max_k=room)
+                continue
+            argmax, drafts = out.sampled_token_ids[i], so.scheduled_spec_decode_tokens.get(rid, [])
+            assumed = verify_greedy(drafts, argmax) if drafts else argmax[:1]
+            proposed = out.draft_token_ids.get(rid, []) if sampled[rid] == assumed else []
+            req.spec_token_ids = proposed[:max(room, 0)]
 
     def _agreed_output(self, outs: dict, microbatch: int):
         out = outs[self.output_rank]
         for rank, other in outs.items():
             if other is None or rank == self.output_rank:
                 continue
+            if other.draft_token_ids is not None and other.draft_token_ids != out.draft_token_ids:
+                raise EngineInvariantError(f"microbatch {microbatch}: rank {rank} drafted {other.draft_token_ids} "
+                                           f"but rank {self.output_rank} drafted {out.draft_token_ids}")
             if other.req_ids != out.req_ids or other.sampled_token_ids != out.sampled_token_ids:
                 raise EngineInvariantError(
                     f"microbatch {microbatch}: rank {rank} sampled {dict(zip(other.req_ids, other.sampled_token_ids))} "

@@ -195,7 +195,10 @@ class LlamaForCausalLM:
         """This rank's rows of a sequence-parallel residual (token count padded to tp)."""
         return x.chunk(self.cfg.tp, dim=0)[self.g.tp_rank].contiguous()
 
-    def forward(self, input_ids, positions, intermediate: IntermediateTensors | None, attn):
+    def forward(self, input_ids, positions, intermediate: IntermediateTensors | None, attn,
+                return_hidden_states: bool = False):
+        """Last stage: normed hidden states, or with `return_hidden_states` the pair (normed,
+        pre-norm) -- the pre-norm ones feed an EAGLE draft head (engine/eagle.py)."""
         cos, sin = self.rope(positions)
         if self.is_first:
             hidden, residual = self.embed_tokens(input_ids), None
@@ -211,10 +214,13 @@ class LlamaForCausalLM:
             if self.cfg.sequence_parallel:
                 hidden = tp_all_gather(self.g.tp, hidden, 0)
             return IntermediateTensors(hidden, residual)
-        out = rms_norm(hidden + residual, self.norm, self.cfg.rms_norm_eps)
+        pre = hidden + residual
+        out = rms_norm(pre, self.norm, self.cfg.rms_norm_eps)
         if self.cfg.sequence_parallel:
             out = tp_all_gather(self.g.tp, out, 0)
-        return out
+        if not return_hidden_states:
+            return out
+        return out, tp_all_gather(self.g.tp, pre, 0) if self.cfg.sequence_parallel else pre
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return tp_all_gather(self.g.tp, linear(hidden, self.lm_head), -1)

@@ -17,6 +17,7 @@ from engine.async_copy import AsyncCopier, CopyHandle
 from engine.attention.metadata import AttentionContext, AttentionMetadataBuilder, CommonAttentionMetadata
 from engine.config import EngineConfig
 from engine.cuda_graph import BatchDescriptor, CudagraphDispatcher, GraphStore
+from engine.eagle import EagleInputs, EagleProposer
 from engine.custom_ops import AttentionSink, register_sink
 from engine.faults import FaultSet
 from engine.input_batch import POISON_INT, CachedRequestState, CpuGpuBuffer, InputBatch
@@ -37,6 +38,7 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]  # per request: argmax of each of its logits rows
     logits: torch.Tensor  # [sum(rows), vocab] fp32 on CPU; 1 row per request, 1 + k with drafts
     num_tokens: dict[str, int]  # per sampled request: tokens this rank knew (engine invariant)
+    draft_token_ids: dict[str, list[int]] | None = None  # EAGLE drafts (last PP stage only)
 
 
 @dataclass(slots=True)
@@ -53,6 +55,17 @@ class PreparedBatch:
     sample_req_ids: list[str]
     sample_rows: list[int]  # logits rows per sampled request (1 + number of drafts)
     num_tokens: dict[str, int]
+    eagle: EagleInputs | None = None
+
+
+def check_before_replay(rec) -> None:
+    """The FA varlen contract on one replay's host-side record; raises FAInvariantError.
+    (The fuzz harness's checker, as any engine would use the llmfuzz guard.)"""
+    from fuzz.invariants import check_varlen_args
+    from fuzz.properties import record_args
+
+    args, kwargs = record_args(rec)
+    check_varlen_args(*args, **kwargs)
 
 
 class GPUModelRunner:
@@ -69,7 +82,8 @@ class GPUModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         R, T = cfg.max_num_seqs, cfg.max_num_batched_tokens + cfg.tp  # room for SP padding
         self.max_num_tokens = T
-        self.input_batch = InputBatch(R, cfg.max_model_len, cfg.max_blocks_per_req)
+        self.input_batch = InputBatch(R, cfg.max_model_len, cfg.max_blocks_per_req,
+                                      pin=cfg.device.startswith("cuda"))
         self.input_ids = CpuGpuBuffer(T, dtype=torch.int64, device=dev)
         self.positions = CpuGpuBuffer(T, dtype=torch.int64, device=dev)
         self.query_start_loc = CpuGpuBuffer(R + 1, dtype=torch.int32, device=dev)
@@ -92,6 +106,9 @@ class GPUModelRunner:
         self._stale_logits: torch.Tensor | None = None
         self._staging_copies: list[CopyHandle] = []
         self.scale = cfg.head_dim ** -0.5
+        # EAGLE drafts from the target's hidden states, which exist on the last stage only.
+        self.drafter = EagleProposer(cfg, state_dict, groups.rank, self.fa_records) \
+            if cfg.speculative_method == "eagle" and self.model.is_last else None
 
     # -- reset between Cases ---------------------------------------------------------------
     def reset(self) -> None:
@@ -110,6 +127,8 @@ class GPUModelRunner:
         for k, v in self.kv_caches.values():
             k.fill_(KV_POISON)
             v.fill_(KV_POISON)
+        if self.drafter is not None:
+            self.drafter.reset(KV_POISON)
         if self.fa_records is not None:
             self.fa_records.clear()
         self._stale_logits = None
@@ -204,13 +223,17 @@ class GPUModelRunner:
             self.slot_mapping.copy_to_gpu(cp, T_pad), self.query_start_loc.copy_to_gpu(cp, R_pad + 1),
             self.seq_lens.copy_to_gpu(cp, R_pad), cp.copy(self.block_table[:R_pad], ib.block_table.table[:R_pad])]
         cp.launch(so.microbatch)
+        eagle = None if self.drafter is None else EagleInputs.build(  # host inputs: taken now
+            ib.token_ids, req_idx, pos, seq_lens, samples, sample_rows,
+            [list(so.scheduled_spec_decode_tokens.get(rid, ())) for rid in sample_req_ids],
+            logits_indices, self.cfg.max_model_len)
         return PreparedBatch(
             microbatch=so.microbatch, num_reqs=R, num_actual_tokens=T, num_padded_tokens=T_pad,
             num_reqs_padded=R_pad, graph=desc,
             max_query_len=int(ns.max()), max_seq_len=int(seq_lens.max()),
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=self.cfg.device),
             sample_req_ids=sample_req_ids, sample_rows=sample_rows,
-            num_tokens={ib.req_ids[i]: ib.num_tokens[i] for i in samples})
+            num_tokens={ib.req_ids[i]: ib.num_tokens[i] for i in samples}, eagle=eagle)
 
     # -- device phase ---------------------------------------------------------------------------
     def sync_and_slice_intermediate_tensors(self, recv: dict, num_tokens: int) -> IntermediateTensors:
@@ -232,7 +255,7 @@ class GPUModelRunner:
         m = self.model
         attn = AttentionContext(md, self.kv_caches, self.scale, self.sink_key)
         inter = None if m.is_first else IntermediateTensors(hidden, residual)
-        out = m.forward(input_ids, positions, inter, attn)
+        out = m.forward(input_ids, positions, inter, attn, return_hidden_states=self.drafter is not None)
         return (out.hidden_states, out.residual) if not m.is_last else out
 
     def _run_graph(self, pb: PreparedBatch, hidden, residual):
@@ -266,8 +289,13 @@ class GPUModelRunner:
         finally:
             self.sink.records = records
         if cfg.device.startswith("cuda") and records is not None:
-            # Host code inside the graph does not replay: record the host-side metadata.
+            # Host code inside the graph does not replay: record the host-side metadata, and
+            # check it before the launch, since a replay with bad metadata can fault the
+            # CUDA context (illegal address) before any check after the run could report it.
+            n = len(records)
             self._record_host(pb, (max_q, max_k), T, R)
+            if len(records) > n:
+                check_before_replay(records[n])
         return graph(*bufs)
 
     def _record_host(self, pb: PreparedBatch, baked, T: int, R: int) -> None:
@@ -314,7 +342,11 @@ class GPUModelRunner:
                                       all_gather_group=g.tp, scattered=scattered)
                 logits = None
             else:
+                if self.drafter is not None:
+                    out, hidden = out
                 logits = m.compute_logits(out[pb.logits_indices]).float()
+                if self.drafter is not None:  # inside the compute window: it reads device buffers
+                    draft_ids = self.propose_draft_token_ids(pb, logits, hidden)
         finally:
             self.copier.end_compute(pb.microbatch)
         if cfg.broadcast_pp_output and cfg.pp > 1:
@@ -334,4 +366,25 @@ class GPUModelRunner:
         for r in pb.sample_rows:
             sampled.append(flat[i:i + r])
             i += r
-        return ModelRunnerOutput(pb.microbatch, g.rank, pb.sample_req_ids, sampled, logits.cpu(), pb.num_tokens)
+        return ModelRunnerOutput(pb.microbatch, g.rank, pb.sample_req_ids, sampled, logits.cpu(), pb.num_tokens,
+                                 draft_ids if self.drafter is not None else None)
+
+    def propose_draft_token_ids(self, pb: PreparedBatch, logits: torch.Tensor,
+                                hidden: torch.Tensor) -> dict[str, list[int]]:
+        """EAGLE drafts for the requests that sampled. They are proposed here, not in the
+        driver like n-gram drafts, because the target's hidden states live on this rank;
+        the driver schedules them, so they reach every rank in the next SchedulerOutput."""
+        e, cfg, R, T = pb.eagle, self.cfg, pb.num_reqs, pb.num_actual_tokens
+        argmax = logits.argmax(-1)
+        ids = e.next_token_ids.to(cfg.device)
+        ids[pb.logits_indices] = argmax  # a sampled row's next token is the one sampled from it
+        # Pass 1 uses the target's own (unpadded) metadata: the draft KV covers every position.
+        md = self.builder.build(
+            query_start_loc=self.query_start_loc.gpu[:R + 1], seq_lens=self.seq_lens.gpu[:R],
+            block_table=self.block_table[:R], slot_mapping=self.slot_mapping.gpu[:T], num_reqs=R,
+            num_actual_tokens=T, max_query_len=pb.max_query_len, max_seq_len=pb.max_seq_len)
+        rows, num = e.draft_from(argmax.tolist(), self.drafter.k, cfg.max_model_len)
+        out = self.drafter.propose(ids, self.positions.gpu[:T], hidden[:T], md,
+                                   torch.tensor(rows, dtype=torch.int64, device=cfg.device),
+                                   self.block_table[e.batch_rows], num, pb.microbatch)
+        return dict(zip(pb.sample_req_ids, out))

@@ -94,6 +94,12 @@ class Scheduler:
         self._preempted_since_last: set[str] = set()
         self._next_microbatch = 0
         self.num_preemptions = 0
+        # EAGLE's draft steps write KV up to k positions past the scheduled tokens: allocate
+        # those lookahead slots with the request's blocks (vLLM's num_lookahead_tokens).
+        self.num_lookahead_tokens = cfg.num_speculative_tokens if cfg.speculative_method == "eagle" else 0
+
+    def _with_lookahead(self, num_tokens: int) -> int:
+        return min(num_tokens + self.num_lookahead_tokens, self.cfg.max_model_len)
 
     def add_request(self, req: Request) -> None:
         self.requests[req.req_id] = req
@@ -120,7 +126,7 @@ class Scheduler:
                 continue
             drafts = req.spec_token_ids[:budget - 1] if n == req.num_tokens - req.num_computed_tokens == 1 else []
             n += len(drafts)
-            new_blocks = self._allocate_or_preempt(req, req.num_computed_tokens + n, num_sched)
+            new_blocks = self._allocate_or_preempt(req, self._with_lookahead(req.num_computed_tokens + n), num_sched)
             if new_blocks is None:
                 continue
             num_sched[req.req_id] = n
@@ -138,7 +144,7 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if n < req.num_tokens and not self.cfg.enable_chunked_prefill:
                 break
-            blocks = self.kv.allocate_slots(req.req_id, n)
+            blocks = self.kv.allocate_slots(req.req_id, self._with_lookahead(n))
             if blocks is None:
                 break
             self.waiting.popleft()

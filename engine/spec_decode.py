@@ -7,6 +7,9 @@ scheduled position; `verify_greedy` accepts the longest prefix of drafts that ma
 target tokens plus one bonus token. Rejected drafts are rolled back in
 `num_computed_tokens` by the scheduler (their KV slots lie past the new sequence length and
 are overwritten later, never read).
+
+`EagleProposer` (engine/eagle.py) is the other proposer: a draft head on the last PP rank,
+fed with the target's hidden states; verification and rollback are the same for both.
 """
 from __future__ import annotations
 

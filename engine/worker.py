@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 from collections import deque
 
-from engine.async_copy import AsyncCopier
+from engine.async_copy import make_copier
 from engine.config import EngineConfig
 from engine.faults import FaultSet
 from engine.model_runner import GPUModelRunner
@@ -45,7 +45,7 @@ class Worker:
     def __init__(self, cfg: EngineConfig, groups: RankGroups, state_dict: dict,
                  record_fa: bool = False) -> None:
         self.cfg, self.groups = cfg, groups
-        self.copier = AsyncCopier()
+        self.copier = make_copier(cfg.device)
         self.runner = GPUModelRunner(cfg, groups, state_dict, FaultSet(), self.copier, record_fa)
 
     def run_loop(self, chan: Channel) -> None:

@@ -17,8 +17,9 @@ from engine.kv_cache import KVAccountingError
 from engine.llm_engine import EngineInvariantError, LLMEngine, Trace
 from engine.schedule import Schedule
 from fuzz.case import Case, Workload, reference_config
-from fuzz.properties import (CrashViolation, EngineViolation, LivenessViolation, LogitsReport, check_fa_records,
-                             check_logits)
+from fuzz.invariants import FAInvariantError
+from fuzz.properties import (CrashViolation, EngineViolation, FAViolation, LivenessViolation, LogitsReport,
+                             check_fa_records, check_logits)
 
 
 @dataclass(slots=True)
@@ -42,11 +43,12 @@ def _pow2(n: int, floor: int) -> int:
 
 def engine_config(cfg: EngineConfig) -> EngineConfig:
     """The config an engine is built with for `cfg`: token budget and KV blocks rounded up,
-    since they only size buffers, and no speculative decoding, which lives in the driver;
-    the Case's own settings go to the scheduler and proposer at reset."""
+    since they only size buffers, and no n-gram speculation, which lives in the driver (the
+    Case's own settings go to the scheduler and proposer at reset). EAGLE stays: its draft
+    head is part of the last rank's runner, so it is built with the engine."""
+    spec = {} if cfg.speculative_method == "eagle" else dict(speculative_method="none", num_speculative_tokens=0)
     return cfg.replace(max_num_batched_tokens=_pow2(cfg.max_num_batched_tokens, 64),
-                       num_gpu_blocks=_pow2(cfg.num_gpu_blocks, 128),
-                       speculative_method="none", num_speculative_tokens=0)  # drafting is driver-side
+                       num_gpu_blocks=_pow2(cfg.num_gpu_blocks, 128), **spec)
 
 
 class EnginePool:
@@ -135,6 +137,9 @@ class Harness:
             return drive(self.pool.get(cfg), case, case.schedule, case.faults, forced)
         except RankFailure as e:
             self.pool.discard(cfg)
+            if isinstance(e.__cause__, FAInvariantError):  # refused before a graph replay
+                raise FAViolation(f"rank(s) {e.ranks} (graph replay, checked before launch): "
+                                  f"{e.__cause__}", case) from None
             # A hang or a deadlock is liveness; a rank that raised or died is a crash.
             kind = LivenessViolation if e.kind in ("timeout", "deadlock") else CrashViolation
             raise kind(f"{e.kind} on rank(s) {e.ranks}: {e.detail}", case) from None

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 from engine.faults import FAULTS
 from fuzz.campaign import Campaign
-from fuzz.harness import Harness
+from fuzz.isolated import make_harness
 from fuzz.reproduce import load_reproducer
 from fuzz.strategies import CAMPAIGN_ORDER, FUZZ_MODEL
 
@@ -32,9 +32,9 @@ class FaultResult:
 
 
 def run_selftest(faults: list[str] | None = None, budget_per_fault: float = 60.0, out_dir: str = "reproducers/faults",
-                 seed: int = 0, progress: bool = True, base=FUZZ_MODEL) -> list[FaultResult]:
+                 seed: int = 0, progress: bool = True, base=FUZZ_MODEL, isolate: str = "auto") -> list[FaultResult]:
     names = faults or list(FAULTS)
-    harness = Harness()  # engines are shared across faults: reset switches faults per Case
+    harness = make_harness(base.device, isolate)  # engines are shared across faults: reset switches faults per Case
     results = []
     try:
         for name in names:

@@ -69,13 +69,18 @@ def workloads(draw, cfg: EngineConfig, max_requests: int = 10) -> Workload:
 
 @st.composite
 def schedules(draw) -> Schedule:
-    """Rank interleaving and copy landing; shrinks to natural order with copies at once."""
+    """Rank interleaving and copy landing; shrinks to natural order with copies at once.
+
+    A non-default schedule exists to open race windows, and a host-side race needs both a
+    copy still in flight and host work done meanwhile: so its copies are always delayed and
+    the host usually runs ahead. (Drawing each at random from 0 up made both non-zero in one
+    draw in four, and the staging-buffer race of field note 2 rare.)"""
     if not draw(st.booleans()):
         return Schedule()
     return Schedule(seed=draw(st.integers(0, 2 ** 16)),
                     rank_order=draw(st.sampled_from(("natural", "random"))),
-                    copy_delay=draw(st.sampled_from((0.0, 0.5, 0.9, 1.0))),
-                    prepare_ahead=draw(st.sampled_from((0.0, 0.5, 1.0))))
+                    copy_delay=draw(st.sampled_from((0.5, 0.9, 1.0))),
+                    prepare_ahead=draw(st.sampled_from((0.5, 1.0, 0.0))))
 
 
 @st.composite
@@ -94,7 +99,7 @@ def engine_configs(draw, layouts=DEFAULT_LAYOUTS, modes=("eager",), base: Engine
     if mode == "graph":
         # One size set: every captured (rank, size) pair is paid once per pooled engine.
         graph = dict(cudagraph_mode="FULL", capture_sizes=(4, 8, 16, 32))
-    method, k = draw(st.sampled_from((("none", 0), ("ngram", 2), ("ngram", 4))))
+    method, k = draw(st.sampled_from((("none", 0), ("ngram", 2), ("ngram", 4), ("eagle", 2))))
     return base.replace(tensor_parallel_size=tp, pipeline_parallel_size=pp, max_num_batched_tokens=budget,
                         num_gpu_blocks=blocks, sequence_parallel=sp, broadcast_pp_output=bcast,
                         speculative_method=method, num_speculative_tokens=k, **graph)

@@ -90,8 +90,19 @@ class AttentionContext:
     sink: int = 0  # engine.custom_ops.SINKS key of the runner (records, live batch)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        n = int(self.md.num_actual_tokens)
+        if n < q.shape[0]:
+            # Padding rows (sequence parallelism rounds the tokens up to a multiple of tp) do
+            # not go to the kernel, as in vLLM: FA2 assumes q has exactly `num_reqs` rows
+            # when max_seqlen_q == 1 (its GQA ngroups swap) and fails on a padded decode.
+            out = q.new_zeros(q.shape)
+            out[:n] = self._attend(layer, q[:n], k[:n], v[:n], self.md.slot_mapping[:n])
+            return out
+        return self._attend(layer, q, k, v, self.md.slot_mapping)
+
+    def _attend(self, layer: int, q, k, v, slot_mapping) -> torch.Tensor:
         md = self.md
         k_cache, v_cache = self.kv_caches[layer]
         return torch.ops.llmfuzz.unified_attention(
             q, k, v, k_cache, v_cache, md.query_start_loc, md.seq_lens, md.block_table_tensor,
-            md.slot_mapping, int(md.max_query_len), int(md.max_seq_len), self.scale, self.sink, layer)
+            slot_mapping, int(md.max_query_len), int(md.max_seq_len), self.scale, self.sink, layer)

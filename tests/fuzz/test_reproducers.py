@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine.faults import FAULTS
 from fuzz.case import Case, RequestSpec, Workload
@@ -58,7 +59,16 @@ def check_reproducer(path: str, clean_harness: Harness) -> None:
                         f"`llmfuzz replay {path}`")
 
 
-@pytest.mark.parametrize("path", ENGINE_FILES, ids=[str(p.relative_to(REPRO_DIR)) for p in ENGINE_FILES])
+def _on_cuda(p: Path) -> bool:
+    return json.loads(p.read_text())["case"]["config"]["device"].startswith("cuda")
+
+
+# GPU findings (reproducers/gpu/) replay on a GPU: `pytest -m gpu`; they skip without CUDA.
+_needs_cuda = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, marks=_needs_cuda if _on_cuda(p) else ()) for p in ENGINE_FILES],
+                         ids=[str(p.relative_to(REPRO_DIR)) for p in ENGINE_FILES])
 def test_reproducer(harness, path: Path) -> None:
     check_reproducer(str(path), harness)
 
@@ -68,11 +78,12 @@ def test_reproducer_file_layout(path: Path) -> None:
     """Campaign reproducers are `<property>/<id>.json` (possibly under a grouping folder,
     e.g. selftest's `faults/`): the directory names the recorded property and the id is a
     12-hex hash. The one-per-fault set (scripts/make_fault_reproducers.py) is
-    `faults/<fault>.json`, named by the one fault it switches on."""
+    `faults/<fault>.json` (CPU) or `gpu/<fault>.json` (found on a GPU), named by the one
+    fault it switches on."""
     repro = load_reproducer(str(path))
     rel = path.relative_to(REPRO_DIR)
     assert repro.meta["format"] == 1 and "llmfuzz_version" in repro.meta
-    if len(rel.parts) == 2 and rel.parts[0] == "faults" and path.stem in FAULTS:
+    if len(rel.parts) == 2 and rel.parts[0] in ("faults", "gpu") and path.stem in FAULTS:
         assert repro.case.faults == (path.stem,), f"{rel}: switches on {repro.case.faults}"
         return
     assert len(rel.parts) >= 2, f"{rel}: expected <property>/<id>.json"
