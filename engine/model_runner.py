@@ -285,7 +285,10 @@ class GPUModelRunner:
 
         records, self.sink.records = self.sink.records, None  # capture runs are not calls
         try:
-            graph = self.graphs.get_or_capture(desc, fn, bufs)
+            m = self.model  # one code path per partition and options; sizes only change shapes
+            key = (cfg.num_hidden_layers, m.start, m.end, m.run_end, cfg.tp, cfg.sequence_parallel,
+                   m.is_first, m.is_last, self.drafter is not None)
+            graph = self.graphs.get_or_capture(desc, fn, bufs, trace_key=key)
         finally:
             self.sink.records = records
         if cfg.device.startswith("cuda") and records is not None:
