@@ -37,6 +37,7 @@ def _parse_layouts(text: str, base) -> list[str]:
 
 
 def _base_config(args):
+    from engine.config import ConfigError
     from fuzz.strategies import FUZZ_MODEL
 
     if args.device != "cpu":
@@ -44,10 +45,29 @@ def _base_config(args):
 
         if not torch.cuda.is_available():
             raise BadInput(f"--device {args.device}: CUDA is not available on this machine")
-    return FUZZ_MODEL.replace(device=args.device, world=args.world)
+    try:
+        return FUZZ_MODEL.replace(device=args.device, world=args.world, dtype=args.dtype,
+                                  attention_backend=args.attention_backend)
+    except ConfigError as e:
+        raise BadInput(str(e)) from None
+
+
+TARGETS = ("reference", "vllm")
+VLLM_ONLY = ("configs", "cells", "exclude", "known")
 
 
 def cmd_run(args) -> int:
+    if args.target not in TARGETS:
+        raise BadInput(f"--target: unknown target {args.target!r} (known: {', '.join(TARGETS)})")
+    if args.target == "vllm":  # fuzz/targets/vllm_campaign.py; docs/vllm.md
+        if args.fault:
+            raise BadInput("--fault: registry faults exist in the reference engine only, not with --target vllm")
+        from fuzz.targets.vllm_campaign import _cmd_run as run_vllm
+
+        return run_vllm(args)
+    for opt in VLLM_ONLY:
+        if getattr(args, opt) is not None:
+            raise BadInput(f"--{opt.replace('_', '-')}: applies to --target vllm only")
     from engine.faults import FAULTS
     from fuzz.campaign import Campaign
     from fuzz.strategies import CAMPAIGN_ORDER, IMPLEMENTED_MODES
@@ -64,11 +84,16 @@ def cmd_run(args) -> int:
     if not 0 < args.budget < float("inf"):
         raise BadInput(f"--budget: {args.budget} is not a positive number of seconds")
     profile = _load_profile(args.profile)
-    camp = Campaign(use_database=profile in ("nightly", "repro"), layouts=layouts, modes=modes, faults=tuple(args.fault), seed=args.seed,
-                    out_dir=args.out, budget_s=args.budget,
+    from fuzz.isolated import make_harness
+
+    camp = Campaign(harness=make_harness(base.device, args.isolate), use_database=profile in ("nightly", "repro"), layouts=layouts, modes=modes, faults=tuple(args.fault), seed=args.seed,
+                    out_dir=args.out or "reproducers", budget_s=args.budget,
                     stop_on_failure=bool(args.fault) and not args.keep_going,
                     progress=not args.json and not args.quiet, base=base)
-    summary = camp.run()
+    try:
+        summary = camp.run()
+    finally:
+        camp.harness.close()
     if args.json:
         print(json.dumps(summary.to_json(), indent=1))
     else:
@@ -109,7 +134,7 @@ def _load_profile(name: str | None) -> str:
 
 
 def cmd_replay(args) -> int:
-    from fuzz.harness import Harness
+    from fuzz.isolated import make_harness
     from fuzz.properties import Violation
     from fuzz.reproduce import replay_report
 
@@ -118,7 +143,7 @@ def cmd_replay(args) -> int:
         from fuzz.targets.vllm_campaign import _cmd_replay
 
         return _cmd_replay(args)
-    h = Harness()
+    h = make_harness(repro.case.config.device, args.isolate)
     violation = None
     try:
         h.check(repro.case)
@@ -137,13 +162,13 @@ def cmd_replay(args) -> int:
 
 
 def cmd_minimize(args) -> int:
-    from fuzz.harness import Harness
+    from fuzz.isolated import make_harness
     from fuzz.properties import Violation
     from fuzz.reproduce import write_reproducer
     from fuzz.shrink import minimize
 
     repro = _load(args.file)
-    h = Harness()
+    h = make_harness(repro.case.config.device, args.isolate)
     last: dict = {}
 
     def still_fails(case) -> bool:
@@ -192,7 +217,9 @@ def cmd_selftest(args) -> int:
     if not 0 < args.budget_per_fault < float("inf"):
         raise BadInput(f"--budget-per-fault: {args.budget_per_fault} is not a positive number of seconds")
     _load_profile(args.profile)
-    results = run_selftest(names, args.budget_per_fault, args.out, args.seed, progress=not args.json)
+    base = _base_config(args)
+    results = run_selftest(names, args.budget_per_fault, args.out, args.seed, progress=not args.json, base=base,
+                           isolate=args.isolate)
     if args.json:
         print(json.dumps(summary_json(results), indent=1))
     else:
@@ -233,20 +260,38 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--keep-going", action="store_true",
                    help="with --fault, keep fuzzing after the first failure (default: stop)")
     r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--out", default="reproducers", help="reproducer directory (default reproducers/)")
+    r.add_argument("--out", default=None, help="reproducer directory (default reproducers/; reproducers/vllm "
+                   "with --target vllm)")
     r.add_argument("--device", default="cpu")
     r.add_argument("--world", default="inproc", choices=("inproc", "torch"))
+    r.add_argument("--dtype", default="float32", help="model dtype: float32 (default), bfloat16, float16")
+    r.add_argument("--attention-backend", default="reference",
+                   help="reference (default), torch_flash (PyTorch's FlashAttention-2 kernel, CUDA), flash_attn")
     r.add_argument("--profile", default=None, help="Hypothesis profile: dev, ci, nightly, repro")
     r.add_argument("--json", action="store_true", help="print the summary as JSON")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
+    r.add_argument("--isolate", default="auto", choices=("auto", "on", "off"),
+                   help="run Cases in a worker process that is replaced after a fatal error "
+                        "(auto: on for CUDA devices)")
+    r.add_argument("--target", default="reference",
+                   help="engine to fuzz: reference (default: our engine, white-box) or vllm (a real vLLM, docs/vllm.md)")
+    from fuzz.targets.vllm_campaign import add_vllm_run_options
+
+    add_vllm_run_options(r, standalone=False)
     r.set_defaults(fn=cmd_run)
     rp = sub.add_parser("replay", help="re-run a reproducer: exit 1 if it still fails")
     rp.add_argument("file")
     rp.add_argument("--json", action="store_true")
+    rp.add_argument("--isolate", default="auto", choices=("auto", "on", "off"),
+                   help="run Cases in a worker process that is replaced after a fatal error "
+                        "(auto: on for CUDA devices)")
     rp.set_defaults(fn=cmd_replay)
     mn = sub.add_parser("minimize", help="shrink a reproducer's Case further")
     mn.add_argument("file")
     mn.add_argument("--out", default="reproducers")
+    mn.add_argument("--isolate", default="auto", choices=("auto", "on", "off"),
+                   help="run Cases in a worker process that is replaced after a fatal error "
+                        "(auto: on for CUDA devices)")
     mn.set_defaults(fn=cmd_minimize)
     f = sub.add_parser("faults", help="list the fault registry")
     f.add_argument("--json", action="store_true")
@@ -258,6 +303,14 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--seed", type=int, default=0)
     st.add_argument("--profile", default=None)
     st.add_argument("--json", action="store_true")
+    st.add_argument("--device", default="cpu")
+    st.add_argument("--world", default="inproc", choices=("inproc", "torch"))
+    st.add_argument("--dtype", default="float32", help="model dtype: float32 (default), bfloat16, float16")
+    st.add_argument("--attention-backend", default="reference",
+                   help="reference (default), torch_flash (PyTorch's FlashAttention-2 kernel, CUDA), flash_attn")
+    st.add_argument("--isolate", default="auto", choices=("auto", "on", "off"),
+                   help="run Cases in a worker process that is replaced after a fatal error "
+                        "(auto: on for CUDA devices)")
     st.set_defaults(fn=cmd_selftest)
     g = sub.add_parser("generate", help="run a demo workload on the reference engine")
     g.add_argument("--layout", default="")

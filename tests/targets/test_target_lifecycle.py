@@ -4,60 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-import textwrap
 import time
 
 import pytest
 
 from fuzz.targets import TargetFailure
 from fuzz.targets import vllm_target as vt
-
-FAKE = textwrap.dedent('''
-    import json, os, sys, time
-    proto = os.fdopen(os.dup(1), "w", buffering=1)
-    spec = json.loads(sys.argv[1])
-    mode = os.environ.get("FAKE_MODE", "ok")
-    if mode == "nostart":
-        print("Traceback (most recent call last):", file=sys.stderr)
-        print('  File "/x/site-packages/vllm/engine/arg_utils.py", line 1, in create_engine_config', file=sys.stderr)
-        print("ValueError: unsupported", file=sys.stderr)
-        sys.exit(1)
-    proto.write(json.dumps({"event": "ready", "startup_s": 0.0, "vllm_version": "fake"}) + "\\n")
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        if cmd.get("cmd") == "exit":
-            break
-        if mode == "hang":
-            time.sleep(3600)
-        if mode == "crash":
-            print("(Worker_PP1 pid=9) ERROR 11-29 16:07:59 [m.py:1] Traceback (most recent call last):", file=sys.stderr)
-            print('(Worker_PP1 pid=9) ERROR 11-29 16:07:59 [m.py:1]   File "/x/site-packages/vllm/v1/worker/r.py", line 5, in step_fn', file=sys.stderr)
-            print("(Worker_PP1 pid=9) ERROR 11-29 16:07:59 [m.py:1]     assert x", file=sys.stderr)
-            print("(Worker_PP1 pid=9) ERROR 11-29 16:07:59 [m.py:1] AssertionError", file=sys.stderr)
-            sys.stderr.flush()
-            proto.write(json.dumps({"event": "error", "type": "EngineDeadError", "message": "dead", "frames": [
-                {"file": "/x/site-packages/vllm/v1/engine/core_client.py", "line": 1, "func": "get_output"}]}) + "\\n")
-            sys.exit(3)
-        res = {r["id"]: {"token_ids": [7] * r["max_tokens"],
-                         "logprobs": [[[7, -0.5], [8, -1.0]]] * r["max_tokens"]} for r in cmd["requests"]}
-        proto.write(json.dumps({"event": "result", "seconds": 0.0, "steps": 1, "results": res}) + "\\n")
-''')
-
-
-@pytest.fixture
-def fake(tmp_path, monkeypatch):
-    script = tmp_path / "fake_worker.py"
-    script.write_text(FAKE)
-    monkeypatch.setattr(vt, "WORKER", str(script))
-    monkeypatch.setenv("LLMFUZZ_CACHE", str(tmp_path / "cache"))
-
-    def make(mode: str, **kw) -> vt.VLLMTarget:
-        monkeypatch.setenv("FAKE_MODE", mode)
-        return vt.VLLMTarget(python=sys.executable, log_dir=str(tmp_path / "logs"), **kw)
-    os.makedirs(tmp_path / "logs")
-    return make
-
 
 def _alive(pid: int) -> bool:
     try:

@@ -63,6 +63,23 @@ def test_agreement_with_reference_tiny_workload(checker):
     assert v.vs_reference.positions > 0
     assert v.vs_reference.max_lp_error < v.lp_tol
     assert v.batch is not None  # several requests: batch invariance was checked too
+    # transformers, teacher-forced: every generated position and every prompt position after
+    # the first (vLLM's prompt_logprobs)
+    assert v.vs_transformers is not None
+    assert v.vs_transformers.positions == 4 * 8
+    assert v.vs_transformers.prompt_positions == 3 + 39 + 32 + 30
+    assert v.vs_transformers.max_lp_error < v.lp_tol
+
+
+def test_prompt_logprobs_from_vllm(checker):
+    """vLLM's prompt_logprobs: one position per prompt token after the first, each holding
+    the prompt token itself (even outside the top-k)."""
+    prompt = list(range(100, 140))
+    run = checker.target.run(vllm_case([(prompt, 2)]), prompt_logprobs=True)
+    plp = run.results["r0"].prompt_logprobs
+    assert len(plp) == len(prompt) - 1
+    assert all(prompt[j] in dict(pos) for j, pos in enumerate(plp, start=1))
+    assert checker.target.run(vllm_case([(prompt, 2)])).results["r0"].prompt_logprobs == ()
 
 
 def test_arrivals_are_emulated(checker):

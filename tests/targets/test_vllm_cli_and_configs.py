@@ -1,0 +1,211 @@
+"""`llmfuzz run --target vllm` parsing and errors, the vLLM config strategy, config names,
+the campaign plan, and shrinking across configs: none of it needs vLLM (a fake worker
+stands in where an engine is needed)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import pytest
+from hypothesis import given, settings
+
+from fuzz import cli
+from fuzz.targets import vllm_target as vt
+from fuzz.targets.vllm_campaign import (VLLMCampaign, campaign_configs, minimize_vllm, simpler_configs,
+                                        unsupported)
+from fuzz.targets.vllm_configs import VLLM_LAYOUTS, VLLM_MODES, plan_configs, vllm_configs
+
+
+def _no_vllm(monkeypatch):
+    """As on a machine without vLLM, whichever Python runs the tests."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    monkeypatch.delenv("LLMFUZZ_VLLM_PYTHON", raising=False)
+
+
+def _one_line_exit_2(capsys, argv) -> str:
+    rc = cli.main(argv)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2, err
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def test_target_vllm_without_vllm_is_one_line_exit_2(capsys, monkeypatch):
+    _no_vllm(monkeypatch)
+    err = _one_line_exit_2(capsys, ["run", "--target", "vllm", "--budget", "900"])
+    assert "package vllm" in err and "scripts/setup_vllm_cpu.sh" in err and "LLMFUZZ_VLLM_PYTHON" in err
+    # the alias says the same
+    err = _one_line_exit_2(capsys, ["vllm", "run", "--budget", "900"])
+    assert "package vllm" in err and "scripts/setup_vllm_cpu.sh" in err
+
+
+def test_vllm_python_without_vllm_in_it(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("LLMFUZZ_VLLM_PYTHON", str(tmp_path / "nope" / "python"))
+    err = _one_line_exit_2(capsys, ["run", "--target", "vllm", "--budget", "60"])
+    assert "no such file" in err and "setup_vllm_cpu.sh" in err
+    py = tmp_path / "python"  # a Python that lacks vllm
+    py.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")
+    py.chmod(0o755)
+    monkeypatch.setenv("LLMFUZZ_VLLM_PYTHON", str(py))
+    err = _one_line_exit_2(capsys, ["run", "--target", "vllm", "--budget", "60"])
+    assert "package vllm is not installed" in err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["run", "--target", "nosuch"], "unknown target 'nosuch' (known: reference, vllm)"),
+    (["run", "--target", "vllm", "--modes", "fast"], "--modes: 'fast'"),
+    (["run", "--target", "vllm", "--layouts", "tp3pp1"], "--layouts"),
+    (["run", "--target", "vllm", "--cells", "tp1pp2-lazy"], "--cells"),
+    (["run", "--target", "vllm", "--cells", "tp1pp1-eager+turbo"], "unknown option"),
+    (["run", "--target", "vllm", "--configs", "0"], "--configs"),
+    (["run", "--target", "vllm", "--budget", "0"], "--budget"),
+    (["run", "--target", "vllm", "--fault", "skip_kv_write"], "--fault"),
+    (["run", "--known", "fuzz/targets/vllm_known_failures.txt"], "--known: applies to --target vllm only"),
+    (["run", "--target", "vllm", "--known", "/nonexistent/known.txt"], "--known"),
+])
+def test_bad_arguments_are_one_line_exit_2(capsys, monkeypatch, argv, needle):
+    _no_vllm(monkeypatch)  # argument errors come first, vLLM or not
+    if "--budget" not in argv:
+        argv = argv + ["--budget", "60"]
+    assert needle in _one_line_exit_2(capsys, argv)
+
+
+def test_default_target_is_reference():
+    args = cli.build_parser().parse_args(["run"])
+    assert args.target == "reference" and args.out is None and args.known is None
+
+
+# -- configs ----------------------------------------------------------------------------------
+
+@settings(max_examples=60, deadline=None)
+@given(vllm_configs())
+def test_drawn_configs_are_valid_and_named_reversibly(c):
+    cfg, opts = c
+    name = vt.cell_name(cfg, opts)
+    assert vt.parse_cell_name(name) == (cfg, opts)
+    kw = vt.llm_kwargs(cfg, opts)
+    assert kw["block_size"] % 32 == 0 and kw["max_num_batched_tokens"] >= kw["max_num_seqs"]
+    assert not (opts.async_scheduling and "speculative_config" in kw)  # vLLM refuses that pair
+
+
+def test_configs_shrink_open():
+    from hypothesis import find
+
+    cfg, opts = find(vllm_configs(), lambda c: True)
+    assert (cfg, opts) == (vt.VLLM_MODEL, vt.VLLMOptions())
+    cfg, opts = find(vllm_configs(), lambda c: c[0].speculative_method != "none" and c[0].cudagraph_mode != "NONE")
+    assert vt.cell_name(cfg, opts) == "tp1pp1-compiled-ngram2"
+
+
+def test_plan_simplest_first_and_covers_every_layout_and_mode():
+    plan = plan_configs(6, seed=0)
+    names = [vt.cell_name(*c) for c in plan]
+    assert names[0] == "tp1pp1-eager" and len(set(names)) == 6
+    groups = {(c.layout, c.cudagraph_mode != "NONE") for c, _ in plan}
+    assert groups == {(lay, m == "compiled") for lay in VLLM_LAYOUTS for m in VLLM_MODES}
+    assert plan == plan_configs(6, seed=0)  # deterministic for a seed
+    assert [vt.cell_name(*c) for c in plan_configs(1, seed=5)] == ["tp1pp1-eager"]
+    only = plan_configs(3, seed=1, layouts=("tp1pp2",), modes=("eager",))
+    assert vt.cell_name(*only[0]) == "tp1pp2-eager" and all(c.layout == "tp1pp2" for c, _ in only)
+
+
+def test_campaign_configs_from_arguments():
+    assert len(campaign_configs(budget_s=900)) == 6
+    assert len(campaign_configs(budget_s=60)) == 1
+    named = campaign_configs(budget_s=900, cells="tp1pp2-eager,tp1pp1-compiled-b16-s2-blk64-ngram2+enable_prefix_caching")
+    assert [vt.cell_name(*c) for c in named] == ["tp1pp2-eager", "tp1pp1-compiled-b16-s2-blk64-ngram2+enable_prefix_caching"]
+    ex = campaign_configs(budget_s=1500, exclude="tp1pp2-eager")
+    assert len(ex) == 10 and not any(vt.cell_name(*c).startswith("tp1pp2-eager") for c in ex)
+    assert [vt.cell_name(*c) for c in campaign_configs(budget_s=900, layouts="tp1pp2", modes="eager", count=1)] \
+        == ["tp1pp2-eager"]
+
+
+def test_simpler_configs_one_knob_each():
+    cfg, opts = vt.parse_cell_name("tp2pp1-compiled-b16-s2-blk64-ngram2+enable_prefix_caching")
+    names = [vt.cell_name(*c) for c in simpler_configs(cfg, opts)]
+    assert names == ["tp2pp1-compiled-b16-s2-blk64-ngram2", "tp2pp1-compiled-b16-s2-blk64+enable_prefix_caching",
+                     "tp2pp1-compiled-b16-s2-ngram2+enable_prefix_caching",
+                     "tp2pp1-compiled-s2-blk64-ngram2+enable_prefix_caching",
+                     "tp2pp1-compiled-b16-blk64-ngram2+enable_prefix_caching",
+                     "tp2pp1-eager-b16-s2-blk64-ngram2+enable_prefix_caching",
+                     "tp1pp1-compiled-b16-s2-blk64-ngram2+enable_prefix_caching"]
+    assert simpler_configs(vt.VLLM_MODEL, vt.VLLMOptions()) == []
+
+
+# -- with a fake worker -------------------------------------------------------------------------
+
+def test_crash_shrinks_across_configs_to_the_plain_one(fake):
+    """The fake crashes on every config: the shrinker walks the config back to defaults."""
+    chk = vt.VLLMChecker(fake("crash"), transformers=False)
+    cfg, opts = vt.parse_cell_name("tp1pp2-eager-b16-ngram2+enable_prefix_caching")
+    case = vt.Case(cfg, vt.Workload((vt.RequestSpec((1, 2, 3, 4, 5), 3), vt.RequestSpec((6,) * 40, 2, 2))))
+    with pytest.raises(vt.VLLMCrash) as ei:
+        chk.check(case, opts)
+    import time
+
+    v, small_opts, checks = minimize_vllm(ei.value, chk, opts, deadline=time.monotonic() + 120)
+    assert vt.cell_name(v.case.config, small_opts) == "tp1pp1-eager"
+    assert len(v.case.workload.requests) == 1 and len(v.case.workload.requests[0].prompt_token_ids) == 1
+    assert v.signature == ei.value.signature
+    v2, o2, _ = minimize_vllm(ei.value, chk, opts, deadline=time.monotonic() + 120, configs=False)
+    assert vt.cell_name(v2.case.config, o2) == "tp1pp2-eager-b16-ngram2+enable_prefix_caching"
+    chk.close()
+
+
+def test_a_refused_config_is_unsupported_not_a_failure(fake, tmp_path):
+    from fuzz.targets import TargetFailure
+
+    assert unsupported(TargetFailure("startup", "ValueError@vllm/engine/arg_utils.py:create_engine_config"))
+    assert unsupported(TargetFailure("startup", "NotImplementedError@vllm/platforms/cpu.py:check_and_update_config"))
+    assert not unsupported(TargetFailure("startup", "AssertionError@vllm/v1/worker/cpu_worker.py:init_device"))
+    assert not unsupported(TargetFailure("crash", "ValueError@vllm/config/vllm.py:__post_init__"))
+    chk = vt.VLLMChecker(fake("nostart"), transformers=False)
+    camp = VLLMCampaign([(vt.VLLM_MODEL, vt.VLLMOptions())], budget_s=30, out_dir=str(tmp_path / "out"),
+                        progress=False, checker=chk)
+    s = camp.run().to_json()
+    chk.close()
+    assert s["failures"] == [] and "ValueError@vllm/engine/arg_utils.py" in s["unsupported"]["tp1pp1-eager"]
+
+
+def test_cli_campaign_against_a_fake_vllm_finds_shrinks_and_writes(fake, tmp_path, capsys):
+    """`llmfuzz run --target vllm` end to end, the fake answering token 7 always (wrong)."""
+    fake("ok")
+    out = tmp_path / "repros"
+    rc = cli.main(["run", "--target", "vllm", "--budget", "8", "--cells", "tp1pp1-eager", "--json", "--quiet",
+                   "--out", str(out), "--shrink-budget", "30", "--max-requests", "3"])
+    summary = json.loads(capsys.readouterr().out)
+    assert rc == 1 and summary["target"] == "vllm" and summary["planned_configs"] == ["tp1pp1-eager"]
+    f = summary["failures"][0]
+    assert f["property"] in ("vllm_vs_reference", "vllm_vs_transformers") and f["config"] == "tp1pp1-eager"
+    doc = json.load(open(f["path"]))
+    assert doc["target"] == "vllm" and doc["replay"] == f"llmfuzz replay {f['path']}"
+    assert len(doc["case"]["workload"]) == 1
+    cell = summary["per_cell"]["tp1pp1-eager"]
+    assert cell["engine_starts"] >= 1 and cell["examples"] >= 1
+
+
+def test_prompt_logprobs_asked_for_unless_prefix_caching(fake):
+    """The checker asks vLLM for prompt logprobs (for the transformers oracle) except with
+    prefix caching on: vLLM skips reading the prefix cache for such a request."""
+    chk = vt.VLLMChecker(fake("ok"))
+    asked = []
+
+    def run(case, opts, items=None, prompt_logprobs=False):
+        asked.append(prompt_logprobs)
+        raise vt.TargetFailure("crash", "X@vllm/x.py:f")
+    chk.target.run = run
+    for opts in (vt.VLLMOptions(), vt.VLLMOptions(enable_prefix_caching=True)):
+        with pytest.raises(vt.VLLMCrash):
+            chk.check(vt.vllm_case([([1, 2, 3], 2)]), opts)
+    assert asked == [chk.hf is not None, False]
+    chk.close()
+
+
+def test_fake_prompt_logprobs_travel_through_the_protocol(fake):
+    t = fake("ok")
+    r = t.run(vt.vllm_case([([1, 2, 3], 2)]), prompt_logprobs=True).results["r0"]
+    assert [dict(p) for p in r.prompt_logprobs] == [{2: -1.0}, {3: -1.0}]
+    assert t.run(vt.vllm_case([([1, 2, 3], 2)])).results["r0"].prompt_logprobs == ()
+    t.close()
