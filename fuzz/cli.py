@@ -354,6 +354,27 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
 
+def console_main() -> int:
+    """The `llmfuzz` command: `main`, then a process exit that a stuck rank cannot abort."""
+    code = main()
+    _exit_past_stuck_ranks(code)
+    return code
+
+
+def _exit_past_stuck_ranks(code: int) -> None:
+    """An interrupt can catch a rank thread mid-step; if it has not unwound by now (a loaded
+    machine), interpreter shutdown would meet it inside torch and abort (SIGABRT) after the
+    summary was printed. Everything is on disk and flushed: leave without finalization."""
+    import os
+    import threading
+
+    if threading_is_main() and any(t.is_alive() and t is not threading.current_thread()
+                                   for t in threading.enumerate()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 def threading_is_main() -> bool:
     import threading
 
@@ -361,4 +382,4 @@ def threading_is_main() -> bool:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console_main())
