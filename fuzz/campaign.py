@@ -91,7 +91,9 @@ class Campaign:
     def __init__(self, *, layouts, modes=("eager",), faults=(), seed: int = 0, out_dir: str = "reproducers",
                  budget_s: float = 60.0, chunk: int = 8, stop_on_failure: bool = False,
                  progress: bool = True, base=FUZZ_MODEL, max_requests: int = 10,
-                 harness: Harness | None = None, use_database: bool = False) -> None:
+                 harness: Harness | None = None, use_database: bool = False,
+                 shrink_grace_s: float | None = None) -> None:
+        self.shrink_grace_s = shrink_grace_s  # shrinking past the budget; None: max(60 s, budget / 2)
         self.use_database = use_database
         self.layouts, self.modes, self.faults = tuple(layouts), tuple(modes), tuple(faults)
         # Short budgets take short chunks, so the round robin reaches every layout.
@@ -219,7 +221,8 @@ class Campaign:
         self._t0 = time.monotonic()
         deadline = self._deadline = self._t0 + self.budget_s
         # Shrinking may run past the budget by a bounded grace, then stops with what it has.
-        self._hard_deadline = deadline + max(60.0, 0.5 * self.budget_s)
+        grace = self.shrink_grace_s if self.shrink_grace_s is not None else max(60.0, 0.5 * self.budget_s)
+        self._hard_deadline = deadline + grace
         self._first_path, self._smallest = None, None
         sys.stderr.write(f"llmfuzz: campaign started: {len(self.layouts)} layout(s), modes {','.join(self.modes)}, "
                          f"budget {self.budget_s:.0f}s\n")

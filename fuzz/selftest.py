@@ -32,7 +32,8 @@ class FaultResult:
 
 
 def run_selftest(faults: list[str] | None = None, budget_per_fault: float = 60.0, out_dir: str = "reproducers/faults",
-                 seed: int = 0, progress: bool = True, base=FUZZ_MODEL, isolate: str = "auto") -> list[FaultResult]:
+                 seed: int = 0, progress: bool = True, base=FUZZ_MODEL, isolate: str = "auto",
+                 shrink_grace_s: float | None = None) -> list[FaultResult]:
     names = faults or list(FAULTS)
     harness = make_harness(base.device, isolate)  # engines are shared across faults: reset switches faults per Case
     results = []
@@ -40,7 +41,7 @@ def run_selftest(faults: list[str] | None = None, budget_per_fault: float = 60.0
         for name in names:
             camp = Campaign(layouts=CAMPAIGN_ORDER, modes=("eager", "graph"), faults=(name,), seed=seed,
                             out_dir=out_dir, budget_s=budget_per_fault, chunk=3, stop_on_failure=True,
-                            progress=progress, base=base, harness=harness)
+                            progress=progress, base=base, harness=harness, shrink_grace_s=shrink_grace_s)
             s = camp.run()
             if s.failures:
                 f = s.failures[0]
