@@ -9,6 +9,7 @@ eager share one code path.
 from __future__ import annotations
 
 import itertools
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -16,8 +17,11 @@ import torch
 from engine.attention.reference import reshape_and_cache, varlen_attention
 
 _keys = itertools.count(1)
-GROUPS: dict[int, object] = {}  # registry: key -> GroupCoordinator
-SINKS: dict[int, "AttentionSink"] = {}  # registry: key -> a runner's recording state
+# Weak values: the registries only find an engine's groups and sinks while the engine owns
+# them. Strong ones kept every engine ever built alive (its groups reach its world, workers,
+# weights, KV cache and captured graphs): about 5 MB per engine over a long campaign.
+GROUPS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()  # key -> GroupCoordinator
+SINKS: "weakref.WeakValueDictionary[int, AttentionSink]" = weakref.WeakValueDictionary()  # key -> a runner's recording state
 
 
 def register_group(group) -> int:

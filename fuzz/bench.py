@@ -62,7 +62,7 @@ def _pytest_speedup(quick: bool) -> dict:
     sel = "not tp8" if quick else ""
     out = {}
     for n in (1, 2):
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", str(n),
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", str(n), "--dist", "worksteal",
                os.path.join(REPO, "tests", "fuzz", "test_properties.py")] + (["-k", sel] if sel else [])
         t0 = time.perf_counter()
         r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=dict(os.environ, LLMFUZZ_PROFILE="ci"))

@@ -7,6 +7,8 @@ are cached by (reference config, workload).
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -51,6 +53,24 @@ def engine_config(cfg: EngineConfig) -> EngineConfig:
                        num_gpu_blocks=_pow2(cfg.num_gpu_blocks, 128), **spec)
 
 
+@functools.cache
+def _malloc_trim():
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim  # glibc
+    except (OSError, AttributeError):
+        return None
+
+
+def release_freed_memory() -> None:
+    """Give the pages of freed heap memory back to the OS. Engines are built and dropped all
+    campaign long, each by its own rank threads, and glibc keeps what they free in per-thread
+    arenas: measured over a 6-minute campaign, 170 MB of the RSS was free heap (RSS grew
+    while live allocations stayed flat); trimming returns it. A no-op off glibc."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
 class EnginePool:
     """LRU of live engines keyed by their built config (schedule, faults and scheduling
     limits are per Case)."""
@@ -65,9 +85,12 @@ class EnginePool:
         eng = self.engines.pop(key, None)
         if eng is None:
             eng = LLMEngine(cfg, record_fa=True)
+            evicted = False
             while len(self.engines) >= self.capacity:
-                _, old = self.engines.popitem(last=False)
-                old.shutdown()
+                self.engines.popitem(last=False)[1].shutdown()
+                evicted = True
+            if evicted:
+                release_freed_memory()
         self.engines[key] = eng
         return eng
 
@@ -75,10 +98,12 @@ class EnginePool:
         eng = self.engines.pop(repr(engine_config(cfg).to_dict()), None)
         if eng is not None:
             eng.shutdown()
+            release_freed_memory()
 
     def close(self) -> None:
         while self.engines:
             self.engines.popitem()[1].shutdown()
+        release_freed_memory()
 
 
 def max_steps_for(w: Workload) -> int:
@@ -125,7 +150,12 @@ class Harness:
         key = repr(cfg.to_dict()) + Case(cfg, case.workload).to_json()
         if key not in self.ref_cache:
             ref_case = Case(cfg, case.workload)
-            self.ref_cache[key] = self._run(ref_case, None)
+            trace = self._run(ref_case, None)
+            # Only the reference's tokens and logits are compared against. Its FA records
+            # (hundreds per Case, each holding small tensors) made this cache the largest
+            # memory user of a long campaign: keep them out of it.
+            trace.fa_records = []
+            self.ref_cache[key] = trace
             if len(self.ref_cache) > 256:
                 self.ref_cache.popitem(last=False)
         return self.ref_cache[key]
