@@ -121,6 +121,9 @@ class InProcExecutor(ExecutorMessages):
         parked = all(r.state in ("blocked", "done", "new", "ready") for r in self.world.ranks)
         if self.world.broken is None and parked:
             self._broadcast(("stop",))
+            # Parked ranks stop in milliseconds; after an interrupt the world may be mid-step,
+            # and a full step timeout per engine would hold the exit for minutes.
+            self.world.timeout_s = min(self.world.timeout_s, 5.0)
             try:
                 self.world.run_until(lambda: all(r.state == "done" for r in self.world.ranks), "stop")
             except Exception:

@@ -260,6 +260,8 @@ class Campaign:
                     for v in _leaves(vs):
                         self._record(v)
                     self._smallest = None
+                    if rest is not None and rest.subgroup(KeyboardInterrupt) is not None:
+                        raise KeyboardInterrupt  # a Ctrl-C grouped with failures still stops the run
                 except Exception:
                     # Hypothesis gave up mid-shrink (our time limit makes late replays pass,
                     # which it calls flaky): keep the smallest failure seen.
