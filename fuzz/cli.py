@@ -342,8 +342,12 @@ def main(argv: list[str] | None = None) -> int:
     import signal
 
     args = build_parser().parse_args(argv)
+    saved = {}
     if threading_is_main():
-        signal.signal(signal.SIGTERM, _terminate_as_interrupt)
+        # SIGINT too: the default handler's KeyboardInterrupt was seen not to stop a campaign
+        # under newer Hypothesis (6.170, loaded machine); ours behaves the same in both cases.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            saved[sig] = signal.signal(sig, _terminate_as_interrupt)
     try:
         return args.fn(args)
     except BadInput as e:
@@ -352,6 +356,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("llmfuzz: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    finally:
+        for sig, handler in saved.items():  # main() called in-process (tests) leaves no trace
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 def console_main() -> int:
