@@ -108,9 +108,6 @@ class AsyncCopier:
             return True
         return False
 
-    def pending(self) -> int:
-        return sum(isinstance(i, CopyHandle) for i in self.stream)
-
     def synchronize(self) -> None:
         for h in self.in_compute:
             if not h.landed:
@@ -159,7 +156,6 @@ class CudaAsyncCopier(AsyncCopier):
         self.should_delay: Callable[[], bool] | None = None
         self.delay_cycles = GPU_COPY_DELAY_CYCLES
         self.num_delays = 0
-        self._inflight: list[CopyHandle] = []
         self._unstarted: list[int] = []  # launched microbatches whose kernels are not enqueued
         self._deferred: list[tuple[int, CopyHandle]] = []  # (microbatch it waits behind, copy)
 
@@ -191,7 +187,6 @@ class CudaAsyncCopier(AsyncCopier):
         self._maybe_sleep()
         h.dst.copy_(h.src, non_blocking=True)
         h.event.record()
-        self._inflight = [c for c in self._inflight if not c.event.query()] + [h]
 
     def launch(self, microbatch: int) -> None:
         # Copies issued before now are ahead of this compute on the stream already.
@@ -225,10 +220,6 @@ class CudaAsyncCopier(AsyncCopier):
     def land_head(self) -> bool:
         return False  # the hardware lands copies; nothing is held back on the host
 
-    def pending(self) -> int:
-        self._inflight = [c for c in self._inflight if not c.event.query()]
-        return len(self._inflight)
-
     def synchronize(self) -> None:
         for _, h in self._deferred:  # nothing is left behind a compute that will never run
             self._issue(h)
@@ -237,7 +228,6 @@ class CudaAsyncCopier(AsyncCopier):
         self.side.synchronize()
         torch.cuda.current_stream(self.device).synchronize()
         self.in_compute.clear()
-        self._inflight.clear()
 
 
 def make_copier(device: str) -> AsyncCopier:

@@ -285,9 +285,11 @@ class GPUModelRunner:
 
         records, self.sink.records = self.sink.records, None  # capture runs are not calls
         try:
-            m = self.model  # one code path per partition and options; sizes only change shapes
-            key = (cfg.num_hidden_layers, m.start, m.end, m.run_end, cfg.tp, cfg.sequence_parallel,
-                   m.is_first, m.is_last, self.drafter is not None)
+            key = None
+            if desc not in self.graphs.graphs:  # one code path per partition and options
+                m = self.model
+                key = (cfg.num_hidden_layers, m.start, m.end, m.run_end, cfg.tp, cfg.sequence_parallel,
+                       m.is_first, m.is_last, self.drafter is not None)
             graph = self.graphs.get_or_capture(desc, fn, bufs, trace_key=key)
         finally:
             self.sink.records = records
