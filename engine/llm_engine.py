@@ -186,6 +186,7 @@ class LLMEngine:
         return out
 
     def collect_fa_records(self) -> list:
+        """Every rank's FA-call records since the last collection (the ranks drop theirs)."""
         return self.executor.fa_records()
 
     def shutdown(self) -> None:

@@ -69,8 +69,13 @@ class Worker:
                 self.runner.reset()
                 chan.put(("reset",), True)
             elif kind == "records":
+                # Drained, not copied: an engine idle in the harness's pool would otherwise
+                # keep its last Case's records (tens of MB) until its next reset.
                 recs = self.runner.fa_records
-                chan.put(("records",), list(recs) if recs is not None else [])
+                out = list(recs) if recs is not None else []
+                if recs is not None:
+                    recs.clear()
+                chan.put(("records",), out)
             elif kind == "stop":
                 return
             else:
