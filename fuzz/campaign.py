@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -19,6 +20,22 @@ from fuzz.properties import Violation
 from fuzz.reproduce import write_reproducer
 from fuzz.shrink import minimize
 from fuzz.strategies import FUZZ_MODEL, cases
+
+
+# Set by the signal handler next to the KeyboardInterrupt it raises. The exception alone can be
+# lost: a signal that lands inside a gc callback (Hypothesis >= 6.170 installs one) or a
+# __del__ is printed as "Exception ignored" and dropped, and the campaign ran on to its budget.
+# Every example and shrink step checks the flag, so a lost interrupt costs at most one Case.
+_STOP = threading.Event()
+
+
+def request_stop() -> None:
+    _STOP.set()
+
+
+def check_stop() -> None:
+    if _STOP.is_set():
+        raise KeyboardInterrupt
 
 
 @dataclass
@@ -112,6 +129,7 @@ class Campaign:
         self._passed: set[bytes] = set()
 
     def _body(self, case) -> None:
+        check_stop()
         now = time.monotonic()
         if now > self._hard_deadline or (now > self._deadline and self._smallest is None):
             # Out of time: the rest of the chunk passes untested (not counted); a shrink in
@@ -200,6 +218,7 @@ class Campaign:
         best = {"v": v}
 
         def still_fails(case) -> bool:
+            check_stop()
             if time.monotonic() > self._hard_deadline:
                 return False
             try:
@@ -228,8 +247,10 @@ class Campaign:
                          f"budget {self.budget_s:.0f}s\n")
         sys.stderr.flush()
         i = 0
+        _STOP.clear()  # a stop belongs to the run it interrupted (tests call main() in-process)
         try:
             while time.monotonic() < deadline:
+                check_stop()
                 # One layout per chunk, round robin: every layout gets its turn early.
                 layout = self.layouts[i % len(self.layouts)]
                 strat = cases((layout,), self.modes, self.faults, self.base, self.max_requests)

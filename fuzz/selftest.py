@@ -29,6 +29,7 @@ class FaultResult:
     mode: str | None
     reproducer: str | None
     total_seconds: float  # including shrinking
+    interrupted: bool = False  # SIGINT/SIGTERM stopped this fault's campaign (and the selftest)
 
 
 def run_selftest(faults: list[str] | None = None, budget_per_fault: float = 60.0, out_dir: str = "reproducers/faults",
@@ -53,6 +54,9 @@ def run_selftest(faults: list[str] | None = None, budget_per_fault: float = 60.0
             else:
                 results.append(FaultResult(name, False, None, None, None, None, None, None, None, None,
                                            round(s.seconds, 2)))
+            if s.interrupted:
+                results[-1].interrupted = True
+                break  # the faults after it are not run: the caller reports the selftest as stopped
     finally:
         harness.close()
     return results
@@ -67,7 +71,9 @@ def summary_json(results: list[FaultResult]) -> dict:
 def table(results: list[FaultResult]) -> str:
     rows = [f"{'fault':<30}{'found':>6}{'secs':>7}{'ex':>5}  {'property':<18}{'reqs':>5}{'toks':>5}  layout/mode"]
     for r in results:
-        if r.detected:
+        if r.interrupted and not r.detected:
+            rows.append(f"{r.name:<30}{'-':>6}{'-':>7}{'-':>5}  (interrupted after {r.total_seconds:.0f}s)")
+        elif r.detected:
             rows.append(f"{r.name:<30}{'yes':>6}{r.seconds:>7.1f}{r.examples:>5}  {r.property:<18}"
                         f"{r.requests:>5}{r.tokens:>5}  {r.layout}/{r.mode}")
         else:
