@@ -14,34 +14,14 @@
 # failed, else 0.
 set -uo pipefail
 
-usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
-die() { echo "ci/gpu.sh: $*" >&2; exit 2; }
+# shellcheck source=ci/lib.sh
+source "$(dirname "$0")/lib.sh"
 
-budget=1800 out=out/gpu
-run_extra=()
-while (($#)); do
-    case $1 in
-        --budget|--out|--layouts|--modes|--seed)
-            (($# >= 2)) || die "$1 needs a value"
-            case $1 in
-                --budget) budget=$2 ;;
-                --out) out=$2 ;;
-                *) run_extra+=("$1" "$2") ;;
-            esac
-            shift 2 ;;
-        -h|--help) usage; exit 0 ;;
-        *) die "unknown argument '$1' (see --help)" ;;
-    esac
-done
-[[ $budget =~ ^[0-9]+([.][0-9]+)?$ ]] || die "--budget: '$budget' is not a number of seconds"
-command -v llmfuzz >/dev/null || die "llmfuzz is not installed (pip install -e '.[test]' first)"
-# The interpreter llmfuzz runs under (its shebang), so the report and checks see the same
-# packages; $PYTHON overrides.
-if [[ -z ${PYTHON:-} ]]; then
-    shebang=$(head -n1 "$(command -v llmfuzz)")
-    PYTHON=${shebang#\#!}
-    [[ -x $PYTHON ]] || PYTHON=python3
-fi
+opt=([budget]=1800 [out]=out/gpu)
+parse_args "budget out" "layouts modes seed" "$@"
+budget=${opt[budget]} out=${opt[out]}
+is_num "$budget" || die "--budget: '$budget' is not a number of seconds"
+llmfuzz_python
 why=$("$PYTHON" -c '
 import torch
 if not torch.cuda.is_available():
@@ -62,10 +42,10 @@ test_rc=$?
 ((test_rc == 0)) || echo "ci/gpu.sh: pytest -m gpu exited $test_rc" >&2
 
 echo "ci/gpu.sh: fuzzing on cuda for ${budget}s -> $out" >&2
-llmfuzz run --device cuda --profile nightly --budget "$budget" --json --out "$out/reproducers" \
+forwarding llmfuzz run --device cuda --profile nightly --budget "$budget" --json --out "$out/reproducers" \
     "${run_extra[@]}" >"$out/summary.json"
-run_rc=$?
-if "$PYTHON" -c 'import json,sys; json.load(open(sys.argv[1]))' "$out/summary.json" 2>/dev/null; then
+run_rc=$rc
+if is_json "$out/summary.json"; then
     "$PYTHON" -m fuzz.report "$out/summary.json" --html "$out/report.html" --markdown "$out/job_summary.md" \
         --title "llmfuzz GPU nightly" || run_rc=2
 else

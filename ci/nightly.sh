@@ -20,37 +20,15 @@
 # 2 bad input, 130 interrupted before any summary.
 set -uo pipefail
 
-usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
-die() { echo "ci/nightly.sh: $*" >&2; exit 2; }
-is_num() { [[ $1 =~ ^[0-9]+([.][0-9]+)?$ ]]; }
+# shellcheck source=ci/lib.sh
+source "$(dirname "$0")/lib.sh"
 
-budget=600 out=out/nightly selftest_budget=60
-run_extra=()
-while (($#)); do
-    case $1 in
-        --budget|--out|--selftest-budget|--layouts|--modes|--seed|--fault)
-            (($# >= 2)) || die "$1 needs a value"
-            case $1 in
-                --budget) budget=$2 ;;
-                --out) out=$2 ;;
-                --selftest-budget) selftest_budget=$2 ;;
-                *) run_extra+=("$1" "$2") ;;
-            esac
-            shift 2 ;;
-        -h|--help) usage; exit 0 ;;
-        *) die "unknown argument '$1' (see --help)" ;;
-    esac
-done
+opt=([budget]=600 [out]=out/nightly [selftest-budget]=60)
+parse_args "budget out selftest-budget" "layouts modes seed fault" "$@"
+budget=${opt[budget]} out=${opt[out]} selftest_budget=${opt[selftest-budget]}
 is_num "$budget" || die "--budget: '$budget' is not a number of seconds"
 is_num "$selftest_budget" || die "--selftest-budget: '$selftest_budget' is not a number of seconds"
-command -v llmfuzz >/dev/null || die "llmfuzz is not installed (pip install -e . first)"
-# The interpreter llmfuzz runs under (its shebang), so the report and checks see the same
-# packages; $PYTHON overrides.
-if [[ -z ${PYTHON:-} ]]; then
-    shebang=$(head -n1 "$(command -v llmfuzz)")
-    PYTHON=${shebang#\#!}
-    [[ -x $PYTHON ]] || PYTHON=python3
-fi
+llmfuzz_python
 
 mkdir -p "$out" || die "cannot create --out $out"
 export LLMFUZZ_PROFILE=nightly
@@ -58,24 +36,11 @@ export LLMFUZZ_DB=${LLMFUZZ_DB:-$out/example-db}
 mkdir -p "$LLMFUZZ_DB"  # Hypothesis creates it lazily; the CI upload wants it to exist
 rm -f "$out/summary.json" "$out/selftest.json" "$out/report.html" "$out/job_summary.md"
 
-# Run a command in the background and forward SIGINT/SIGTERM to it, so a CI time limit
-# reaches llmfuzz (which then prints its summary so far) and this script still writes the
-# report. Sets $rc to the command's exit code.
-forwarding() {
-    "$@" &
-    local child=$!
-    trap 'kill -INT "$child" 2>/dev/null' INT
-    trap 'kill -TERM "$child" 2>/dev/null' TERM
-    wait "$child"; rc=$?
-    while kill -0 "$child" 2>/dev/null; do wait "$child"; rc=$?; done
-    trap - INT TERM
-}
-
 echo "ci/nightly.sh: fuzzing for ${budget}s (database $LLMFUZZ_DB) -> $out" >&2
 forwarding llmfuzz run --profile nightly --budget "$budget" --json --out "$out/reproducers" \
     "${run_extra[@]}" >"$out/summary.json"
 run_rc=$rc
-if ! "$PYTHON" -c 'import json,sys; json.load(open(sys.argv[1]))' "$out/summary.json" 2>/dev/null; then
+if ! is_json "$out/summary.json"; then
     rm -f "$out/summary.json"
     printf '## llmfuzz nightly\n\n**llmfuzz run exited %s without a summary** (see the log).\n' "$run_rc" \
         >"$out/job_summary.md"
@@ -90,7 +55,7 @@ if [[ $selftest_budget != 0 && $selftest_budget != 0.0 ]]; then
     forwarding env LLMFUZZ_DB="$out/selftest-db" llmfuzz selftest --profile nightly --json \
         --budget-per-fault "$selftest_budget" --out "$out/selftest-reproducers" >"$out/selftest.json"
     st_rc=$rc
-    if "$PYTHON" -c 'import json,sys; json.load(open(sys.argv[1]))' "$out/selftest.json" 2>/dev/null; then
+    if is_json "$out/selftest.json"; then
         st_args=(--selftest "$out/selftest.json")
     else
         rm -f "$out/selftest.json"

@@ -23,30 +23,14 @@
 # found failures, 0 otherwise.
 set -uo pipefail
 
-usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
-die() { echo "ci/vllm_nightly.sh: $*" >&2; exit 2; }
-is_num() { [[ $1 =~ ^[0-9]+([.][0-9]+)?$ ]]; }
+# shellcheck source=ci/lib.sh
+source "$(dirname "$0")/lib.sh"
 
 root=$(cd "$(dirname "$0")/.." && pwd)
-budget=1260 out=out/vllm known=$root/fuzz/targets/vllm_known_failures.txt setup="" seed=$((10#$(date +%j)))
-py=${LLMFUZZ_VLLM_PYTHON:-python3}
-while (($#)); do
-    case $1 in
-        --setup|--python|--budget|--out|--known|--seed)
-            (($# >= 2)) || die "$1 needs a value"
-            case $1 in
-                --setup) setup=$2 ;;
-                --python) py=$2 ;;
-                --budget) budget=$2 ;;
-                --out) out=$2 ;;
-                --known) known=$2 ;;
-                --seed) seed=$2 ;;
-            esac
-            shift 2 ;;
-        -h|--help) usage; exit 0 ;;
-        *) die "unknown argument '$1' (see --help)" ;;
-    esac
-done
+opt=([budget]=1260 [out]=out/vllm [known]=$root/fuzz/targets/vllm_known_failures.txt [setup]=""
+     [seed]=$((10#$(date +%j))) [python]=${LLMFUZZ_VLLM_PYTHON:-python3})
+parse_args "setup python budget out known seed" "" "$@"
+budget=${opt[budget]} out=${opt[out]} known=${opt[known]} setup=${opt[setup]} seed=${opt[seed]} py=${opt[python]}
 is_num "$budget" || die "--budget: '$budget' is not a number of seconds"
 [[ $seed =~ ^[0-9]+$ ]] || die "--seed: '$seed' is not a non-negative integer"
 [[ -f $known ]] || die "--known: no such file $known"
@@ -69,14 +53,9 @@ test_rc=$?
 ((test_rc == 5)) && test_rc=0  # no test selected is not a failure here
 
 echo "ci/vllm_nightly.sh: vLLM campaign, ${budget}s, seed $seed -> $out" >&2
-"$py" -m fuzz.cli run --target vllm --budget "$budget" --seed "$seed" --known "$known" --json \
-    --out "$out/reproducers" >"$out/summary.json" &
-child=$!
-trap 'kill -INT "$child" 2>/dev/null' INT
-trap 'kill -TERM "$child" 2>/dev/null' TERM
-wait "$child"; run_rc=$?
-while kill -0 "$child" 2>/dev/null; do wait "$child"; run_rc=$?; done
-trap - INT TERM
+forwarding "$py" -m fuzz.cli run --target vllm --budget "$budget" --seed "$seed" --known "$known" --json \
+    --out "$out/reproducers" >"$out/summary.json"
+run_rc=$rc
 
 "$py" - "$out/summary.json" "$out/job_summary.md" "$test_rc" "$run_rc" <<'PY' || run_rc=2
 import json, sys
