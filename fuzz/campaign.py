@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from hypothesis import given, seed as hseed, settings, target
 
-from fuzz.harness import Harness
+from fuzz.harness import Harness, pool_capacity_for
 from fuzz.properties import Violation
 from fuzz.reproduce import write_reproducer
 from fuzz.shrink import minimize
@@ -119,7 +119,7 @@ class Campaign:
         self.stop_on_failure, self.progress = stop_on_failure, progress
         self.base, self.max_requests = base, max_requests
         self.summary = Summary()
-        self.harness = harness or Harness()
+        self.harness = harness or Harness(pool_capacity_for(len(self.layouts), len(self.modes)))
         self._own_harness = harness is None
         self._last_print = 0.0
         # Cases that passed, by their JSON. Each chunk's Hypothesis run starts from the

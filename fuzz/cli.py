@@ -60,10 +60,10 @@ VLLM_ONLY = ("configs", "cells", "exclude", "known")
 def cmd_run(args) -> int:
     if args.target not in TARGETS:
         raise BadInput(f"--target: unknown target {args.target!r} (known: {', '.join(TARGETS)})")
-    if args.target == "vllm":  # fuzz/targets/vllm_campaign.py; docs/vllm.md
+    if args.target == "vllm":  # fuzz/targets/vllm_cli.py; docs/vllm.md
         if args.fault:
             raise BadInput("--fault: registry faults exist in the reference engine only, not with --target vllm")
-        from fuzz.targets.vllm_campaign import _cmd_run as run_vllm
+        from fuzz.targets.vllm_cli import _cmd_run as run_vllm
 
         return run_vllm(args)
     for opt in VLLM_ONLY:
@@ -85,9 +85,11 @@ def cmd_run(args) -> int:
     if not 0 < args.budget < float("inf"):
         raise BadInput(f"--budget: {args.budget} is not a positive number of seconds")
     profile = _load_profile(args.profile)
+    from fuzz.harness import pool_capacity_for
     from fuzz.isolated import make_harness
 
-    camp = Campaign(harness=make_harness(base.device, args.isolate), use_database=profile in ("nightly", "repro"), layouts=layouts, modes=modes, faults=tuple(args.fault), seed=args.seed,
+    capacity = pool_capacity_for(len(layouts), len(modes))
+    camp = Campaign(harness=make_harness(base.device, args.isolate, capacity), use_database=profile in ("nightly", "repro"), layouts=layouts, modes=modes, faults=tuple(args.fault), seed=args.seed,
                     out_dir=args.out or "reproducers", budget_s=args.budget,
                     stop_on_failure=bool(args.fault) and not args.keep_going,
                     progress=not args.json and not args.quiet, base=base)
@@ -141,7 +143,7 @@ def cmd_replay(args) -> int:
 
     repro = _load(args.file)
     if (repro.meta or {}).get("target") == "vllm":  # a vLLM finding replays on vLLM
-        from fuzz.targets.vllm_campaign import _cmd_replay
+        from fuzz.targets.vllm_cli import _cmd_replay
 
         return _cmd_replay(args)
     h = make_harness(repro.case.config.device, args.isolate)
@@ -279,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(auto: on for CUDA devices)")
     r.add_argument("--target", default="reference",
                    help="engine to fuzz: reference (default: our engine, white-box) or vllm (a real vLLM, docs/vllm.md)")
-    from fuzz.targets.vllm_campaign import add_vllm_run_options
+    from fuzz.targets.vllm_cli import add_vllm_run_options
 
     add_vllm_run_options(r, standalone=False)
     r.set_defaults(fn=cmd_run)
@@ -330,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     from fuzz.report import add_report_parser
 
     add_report_parser(sub)
-    from fuzz.targets.vllm_campaign import add_vllm_parser
+    from fuzz.targets.vllm_cli import add_vllm_parser
 
     add_vllm_parser(sub)
     return p

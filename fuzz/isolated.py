@@ -45,8 +45,10 @@ def _violation_class(prop: str) -> type[Violation]:
 class IsolatedHarness:
     """The Harness API (`check`, `close`) with the work done in a replaceable child."""
 
-    def __init__(self, startup_timeout_s: float = 300.0, child: tuple[str, ...] = ("-m", "fuzz.isolated")) -> None:
+    def __init__(self, startup_timeout_s: float = 300.0, child: tuple[str, ...] = ("-m", "fuzz.isolated"),
+                 pool_capacity: int = 16) -> None:
         self.child = child  # the interpreter's arguments that run `main` (tests wrap it)
+        self.pool_capacity = pool_capacity  # of the child's Harness
         self.proc: subprocess.Popen | None = None
         self.startup_timeout_s = startup_timeout_s
         self.starts = 0  # children started (1 + restarts)
@@ -56,6 +58,7 @@ class IsolatedHarness:
         env = dict(os.environ)
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+        env["LLMFUZZ_POOL_CAPACITY"] = str(self.pool_capacity)
         self.proc = subprocess.Popen([sys.executable, *self.child], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env, start_new_session=True)
         self.starts += 1
@@ -130,13 +133,13 @@ class IsolatedHarness:
             self._stop(self.proc)
 
 
-def make_harness(device: str, isolate: str = "auto"):
+def make_harness(device: str, isolate: str = "auto", pool_capacity: int = 16):
     """The harness a command uses: isolated in a child process on CUDA (or when asked)."""
     from fuzz.harness import Harness
 
     if isolate == "on" or (isolate == "auto" and device.startswith("cuda")):
-        return IsolatedHarness()
-    return Harness()
+        return IsolatedHarness(pool_capacity=pool_capacity)
+    return Harness(pool_capacity)
 
 
 def main() -> None:
@@ -146,7 +149,7 @@ def main() -> None:
     os.dup2(2, 1)  # stray prints go to stderr, not into the protocol
     from fuzz.harness import Harness
 
-    harness = Harness()
+    harness = Harness(int(os.environ.get("LLMFUZZ_POOL_CAPACITY", "16")))
     try:
         for line in sys.stdin:
             case = Case.from_dict(json.loads(line)["case"])

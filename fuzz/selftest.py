@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 
 from engine.faults import FAULTS
 from fuzz.campaign import Campaign
+from fuzz.harness import pool_capacity_for
 from fuzz.isolated import make_harness
 from fuzz.reproduce import load_reproducer
 from fuzz.strategies import CAMPAIGN_ORDER, FUZZ_MODEL
@@ -36,7 +37,8 @@ def run_selftest(faults: list[str] | None = None, budget_per_fault: float = 60.0
                  seed: int = 0, progress: bool = True, base=FUZZ_MODEL, isolate: str = "auto",
                  shrink_grace_s: float | None = None) -> list[FaultResult]:
     names = faults or list(FAULTS)
-    harness = make_harness(base.device, isolate)  # engines are shared across faults: reset switches faults per Case
+    # Engines are shared across faults: reset switches faults per Case.
+    harness = make_harness(base.device, isolate, pool_capacity_for(len(CAMPAIGN_ORDER), 2))
     results = []
     try:
         for name in names:

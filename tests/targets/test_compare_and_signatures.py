@@ -109,7 +109,7 @@ def test_cli_parser_is_light():
     import subprocess
     import sys
 
-    code = ("import argparse, sys; from fuzz.targets.vllm_campaign import add_vllm_parser; "
+    code = ("import argparse, sys; from fuzz.targets.vllm_cli import add_vllm_parser; "
             "p = argparse.ArgumentParser(); add_vllm_parser(p.add_subparsers()); "
             "print('torch' in sys.modules, 'vllm' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -10,6 +10,7 @@ import pytest
 
 from fuzz.targets import TargetFailure
 from fuzz.targets import vllm_target as vt
+from fuzz.targets import vllm_checker as vc
 
 def _alive(pid: int) -> bool:
     try:
@@ -22,12 +23,12 @@ def _alive(pid: int) -> bool:
 def test_engine_reused_then_restarted_for_another_config(fake):
     t = fake("ok")
     try:
-        case = vt.vllm_case([([1, 2], 3)])
+        case = vc.vllm_case([([1, 2], 3)])
         run = t.run(case)
         assert run.results["r0"].token_ids == (7, 7, 7)
         t.run(case)
         assert t.stats["tp1pp1-eager"].starts == 1 and t.stats["tp1pp1-eager"].runs == 2
-        t.run(vt.vllm_case([([1], 1)], max_num_seqs=2))
+        t.run(vc.vllm_case([([1], 1)], max_num_seqs=2))
         assert t.stats["tp1pp1-eager-s2"].starts == 1
         assert os.path.exists(os.path.join(vt.checkpoint_dir(case.config), "model.safetensors"))
     finally:
@@ -36,7 +37,7 @@ def test_engine_reused_then_restarted_for_another_config(fake):
 
 def test_crash_signature_from_the_root_traceback_and_restart(fake):
     t = fake("crash")
-    case = vt.vllm_case([([1, 2], 3)])
+    case = vc.vllm_case([([1, 2], 3)])
     with pytest.raises(TargetFailure) as ei:
         t.run(case)
     f = ei.value
@@ -55,7 +56,7 @@ def test_hang_is_a_failure_within_the_bound_and_the_group_is_killed(fake):
     pid = t._w.proc.pid
     t0 = time.monotonic()
     with pytest.raises(TargetFailure) as ei:
-        t.run(vt.vllm_case([([1], 1)]))
+        t.run(vc.vllm_case([([1], 1)]))
     assert ei.value.kind == "hang" and ei.value.signature == "hang@run"
     assert time.monotonic() - t0 < 30
     assert not _alive(pid)
@@ -75,9 +76,9 @@ def test_checker_turns_failures_into_violations(fake, tmp_path):
     from fuzz.targets.vllm_campaign import write_vllm_reproducer
     from fuzz.reproduce import load_reproducer
 
-    chk = vt.VLLMChecker(fake("crash"))
-    case = vt.vllm_case([([1, 2, 3], 2)], layout="tp1pp2")
-    with pytest.raises(vt.VLLMCrash) as ei:
+    chk = vc.VLLMChecker(fake("crash"))
+    case = vc.vllm_case([([1, 2, 3], 2)], layout="tp1pp2")
+    with pytest.raises(vc.VLLMCrash) as ei:
         chk.check(case)
     v = ei.value
     assert v.property == "vllm_crash" and v.case == case and v.signature.startswith("AssertionError@")
@@ -90,7 +91,7 @@ def test_checker_turns_failures_into_violations(fake, tmp_path):
 
 def test_disagreement_with_the_reference_is_a_violation(fake):
     """The fake always answers token 7: the reference engine does not."""
-    chk = vt.VLLMChecker(fake("ok"))
-    with pytest.raises(vt.VLLMvsReference):
-        chk.check(vt.vllm_case([([1, 2, 3], 4)]))
+    chk = vc.VLLMChecker(fake("ok"))
+    with pytest.raises(vc.VLLMvsReference):
+        chk.check(vc.vllm_case([([1, 2, 3], 4)]))
     chk.close()

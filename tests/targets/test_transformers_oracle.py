@@ -9,7 +9,8 @@ pytest.importorskip("transformers")
 
 from fuzz.targets import (ReferenceTarget, RequestResult, RunMismatch, TransformersOracle,  # noqa: E402
                           check_teacher_forced, request_items)
-from fuzz.targets.vllm_target import VLLM_MODEL, checkpoint_dir, logprob_tolerance, vllm_case  # noqa: E402
+from fuzz.targets.vllm_checker import logprob_tolerance, vllm_case  # noqa: E402
+from fuzz.targets.vllm_target import VLLM_MODEL, checkpoint_dir  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +79,7 @@ def test_wrong_logprob_or_token_is_caught(setup):
 
 
 def test_checker_uses_transformers_when_available(fake):
-    from fuzz.targets.vllm_target import VLLMChecker
+    from fuzz.targets.vllm_checker import VLLMChecker
 
     chk = VLLMChecker(fake("ok"))
     assert chk.hf is not None

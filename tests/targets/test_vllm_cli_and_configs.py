@@ -11,7 +11,9 @@ import pytest
 from hypothesis import given, settings
 
 from fuzz import cli
+from fuzz.case import Case, RequestSpec, Workload
 from fuzz.targets import vllm_target as vt
+from fuzz.targets import vllm_checker as vc
 from fuzz.targets.vllm_campaign import (VLLMCampaign, campaign_configs, minimize_vllm, simpler_configs,
                                         unsupported)
 from fuzz.targets.vllm_configs import VLLM_LAYOUTS, VLLM_MODES, plan_configs, vllm_configs
@@ -138,10 +140,10 @@ def test_simpler_configs_one_knob_each():
 
 def test_crash_shrinks_across_configs_to_the_plain_one(fake):
     """The fake crashes on every config: the shrinker walks the config back to defaults."""
-    chk = vt.VLLMChecker(fake("crash"), transformers=False)
+    chk = vc.VLLMChecker(fake("crash"), transformers=False)
     cfg, opts = vt.parse_cell_name("tp1pp2-eager-b16-ngram2+enable_prefix_caching")
-    case = vt.Case(cfg, vt.Workload((vt.RequestSpec((1, 2, 3, 4, 5), 3), vt.RequestSpec((6,) * 40, 2, 2))))
-    with pytest.raises(vt.VLLMCrash) as ei:
+    case = Case(cfg, Workload((RequestSpec((1, 2, 3, 4, 5), 3), RequestSpec((6,) * 40, 2, 2))))
+    with pytest.raises(vc.VLLMCrash) as ei:
         chk.check(case, opts)
     import time
 
@@ -161,7 +163,7 @@ def test_a_refused_config_is_unsupported_not_a_failure(fake, tmp_path):
     assert unsupported(TargetFailure("startup", "NotImplementedError@vllm/platforms/cpu.py:check_and_update_config"))
     assert not unsupported(TargetFailure("startup", "AssertionError@vllm/v1/worker/cpu_worker.py:init_device"))
     assert not unsupported(TargetFailure("crash", "ValueError@vllm/config/vllm.py:__post_init__"))
-    chk = vt.VLLMChecker(fake("nostart"), transformers=False)
+    chk = vc.VLLMChecker(fake("nostart"), transformers=False)
     camp = VLLMCampaign([(vt.VLLM_MODEL, vt.VLLMOptions())], budget_s=30, out_dir=str(tmp_path / "out"),
                         progress=False, checker=chk)
     s = camp.run().to_json()
@@ -189,7 +191,7 @@ def test_cli_campaign_against_a_fake_vllm_finds_shrinks_and_writes(fake, tmp_pat
 def test_prompt_logprobs_asked_for_unless_prefix_caching(fake):
     """The checker asks vLLM for prompt logprobs (for the transformers oracle) except with
     prefix caching on: vLLM skips reading the prefix cache for such a request."""
-    chk = vt.VLLMChecker(fake("ok"))
+    chk = vc.VLLMChecker(fake("ok"))
     asked = []
 
     def run(case, opts, items=None, prompt_logprobs=False):
@@ -197,15 +199,15 @@ def test_prompt_logprobs_asked_for_unless_prefix_caching(fake):
         raise vt.TargetFailure("crash", "X@vllm/x.py:f")
     chk.target.run = run
     for opts in (vt.VLLMOptions(), vt.VLLMOptions(enable_prefix_caching=True)):
-        with pytest.raises(vt.VLLMCrash):
-            chk.check(vt.vllm_case([([1, 2, 3], 2)]), opts)
+        with pytest.raises(vc.VLLMCrash):
+            chk.check(vc.vllm_case([([1, 2, 3], 2)]), opts)
     assert asked == [chk.hf is not None, False]
     chk.close()
 
 
 def test_fake_prompt_logprobs_travel_through_the_protocol(fake):
     t = fake("ok")
-    r = t.run(vt.vllm_case([([1, 2, 3], 2)]), prompt_logprobs=True).results["r0"]
+    r = t.run(vc.vllm_case([([1, 2, 3], 2)]), prompt_logprobs=True).results["r0"]
     assert [dict(p) for p in r.prompt_logprobs] == [{2: -1.0}, {3: -1.0}]
-    assert t.run(vt.vllm_case([([1, 2, 3], 2)])).results["r0"].prompt_logprobs == ()
+    assert t.run(vc.vllm_case([([1, 2, 3], 2)])).results["r0"].prompt_logprobs == ()
     t.close()

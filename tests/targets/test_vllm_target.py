@@ -18,8 +18,8 @@ pytest.importorskip("vllm")
 
 from fuzz.case import Case, RequestSpec, Workload  # noqa: E402
 from fuzz.targets import compare_runs  # noqa: E402
-from fuzz.targets.vllm_target import (VLLM_MODEL, VLLMChecker, VLLMCrash, VLLMOptions,  # noqa: E402
-                                      VLLMTarget, vllm_case)
+from fuzz.targets.vllm_checker import VLLMChecker, VLLMCrash, vllm_case  # noqa: E402
+from fuzz.targets.vllm_target import VLLM_MODEL, VLLMOptions, VLLMTarget  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
