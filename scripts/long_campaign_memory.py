@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
            "--out", os.path.join(work, "repro"), *args.extra]
     shown = "llmfuzz run " + " ".join(cmd[4:])
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    load_start = [round(x, 2) for x in os.getloadavg()]
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=work)
     state = {"examples": None, "failures": 0}
@@ -191,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         "invocation": "python scripts/long_campaign_memory.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "note": "RSS summed over the campaign process and its descendants (none in the in-process world); "
-                "the machine is shared with other work, so examples/s is low and not comparable.",
+                "load averages say whether anything else ran beside it (the campaign alone is ~1-1.5).",
+        "loadavg_start": load_start, "loadavg_end": [round(x, 2) for x in os.getloadavg()],
         "exit_code": proc.returncode,
         "wall_s": round(wall, 1),
         "budget_s": args.budget,
