@@ -40,15 +40,12 @@ class AsyncCopier:
         self.land_immediately = land_immediately
         self.stream: deque[CopyHandle | _Launch] = deque()
         self._seq = 0
-        self.num_copies = 0
-        self.num_late_landings = 0  # copies that landed after later host work (races possible)
         self.computing: int | None = None  # microbatch whose compute is running now
         self.in_compute: list[CopyHandle] = []  # copies issued by the running compute
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> CopyHandle:
         h = CopyHandle(self._seq, dst, src)
         self._seq += 1
-        self.num_copies += 1
         if self.computing is not None:
             # Issued by the running compute: ordered inside it, lands at a wait or at its end.
             self.in_compute.append(h)
@@ -104,7 +101,6 @@ class AsyncCopier:
         Nothing queued behind a running compute may overtake it."""
         if self.computing is None and self.stream and isinstance(self.stream[0], CopyHandle):
             self._land(self.stream.popleft())
-            self.num_late_landings += 1
             return True
         return False
 
@@ -167,7 +163,6 @@ class CudaAsyncCopier(AsyncCopier):
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> CopyHandle:
         h = CopyHandle(self._seq, dst, src, event=torch.cuda.Event())
         self._seq += 1
-        self.num_copies += 1
         if self.computing is not None and src.is_cuda:
             compute = torch.cuda.current_stream(self.device)
             self.side.wait_stream(compute)  # the source is produced by compute so far

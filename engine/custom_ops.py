@@ -55,12 +55,6 @@ def register_sink(sink: AttentionSink) -> int:
     return key
 
 
-def unregister(*keys: int) -> None:
-    for k in keys:
-        GROUPS.pop(k, None)
-        SINKS.pop(k, None)
-
-
 def tp_all_reduce(group, t: torch.Tensor) -> torch.Tensor:
     return t if group.world_size == 1 else torch.ops.llmfuzz.all_reduce(t, group.op_key)
 

@@ -71,10 +71,9 @@ class Worker:
             elif kind == "records":
                 # Drained, not copied: an engine idle in the harness's pool would otherwise
                 # keep its last Case's records (tens of MB) until its next reset.
-                recs = self.runner.fa_records
-                out = list(recs) if recs is not None else []
-                if recs is not None:
-                    recs.clear()
+                recs = self.runner.fa_records or []  # None: the engine does not record
+                out = recs[:]
+                recs.clear()
                 chan.put(("records",), out)
             elif kind == "stop":
                 return

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from hypothesis import given, seed as hseed, settings, target
 
 from fuzz.harness import Harness, pool_capacity_for
+from fuzz.isolated import make_harness
 from fuzz.properties import Violation
 from fuzz.reproduce import write_reproducer
 from fuzz.shrink import minimize
@@ -109,7 +110,7 @@ class Campaign:
                  budget_s: float = 60.0, chunk: int = 8, stop_on_failure: bool = False,
                  progress: bool = True, base=FUZZ_MODEL, max_requests: int = 10,
                  harness: Harness | None = None, use_database: bool = False,
-                 shrink_grace_s: float | None = None) -> None:
+                 shrink_grace_s: float | None = None, isolate: str = "auto") -> None:
         self.shrink_grace_s = shrink_grace_s  # shrinking past the budget; None: max(60 s, budget / 2)
         self.use_database = use_database
         self.layouts, self.modes, self.faults = tuple(layouts), tuple(modes), tuple(faults)
@@ -119,7 +120,10 @@ class Campaign:
         self.stop_on_failure, self.progress = stop_on_failure, progress
         self.base, self.max_requests = base, max_requests
         self.summary = Summary()
-        self.harness = harness or Harness(pool_capacity_for(len(self.layouts), len(self.modes)))
+        # Without a harness given, one of our own (isolated on CUDA, as `make_harness` says),
+        # its engine pool sized for these layouts and modes.
+        self.harness = harness or make_harness(base.device, isolate,
+                                               pool_capacity_for(len(self.layouts), len(self.modes)))
         self._own_harness = harness is None
         self._last_print = 0.0
         # Cases that passed, by their JSON. Each chunk's Hypothesis run starts from the
@@ -243,12 +247,12 @@ class Campaign:
         grace = self.shrink_grace_s if self.shrink_grace_s is not None else max(60.0, 0.5 * self.budget_s)
         self._hard_deadline = deadline + grace
         self._first_path, self._smallest = None, None
-        sys.stderr.write(f"llmfuzz: campaign started: {len(self.layouts)} layout(s), modes {','.join(self.modes)}, "
-                         f"budget {self.budget_s:.0f}s\n")
-        sys.stderr.flush()
         i = 0
         _STOP.clear()  # a stop belongs to the run it interrupted (tests call main() in-process)
-        try:
+        try:  # from here on, an interrupt still prints the summary and closes our harness
+            sys.stderr.write(f"llmfuzz: campaign started: {len(self.layouts)} layout(s), "
+                             f"modes {','.join(self.modes)}, budget {self.budget_s:.0f}s\n")
+            sys.stderr.flush()
             while time.monotonic() < deadline:
                 check_stop()
                 # One layout per chunk, round robin: every layout gets its turn early.

@@ -85,18 +85,11 @@ def cmd_run(args) -> int:
     if not 0 < args.budget < float("inf"):
         raise BadInput(f"--budget: {args.budget} is not a positive number of seconds")
     profile = _load_profile(args.profile)
-    from fuzz.harness import pool_capacity_for
-    from fuzz.isolated import make_harness
-
-    capacity = pool_capacity_for(len(layouts), len(modes))
-    camp = Campaign(harness=make_harness(base.device, args.isolate, capacity), use_database=profile in ("nightly", "repro"), layouts=layouts, modes=modes, faults=tuple(args.fault), seed=args.seed,
+    camp = Campaign(isolate=args.isolate, use_database=profile in ("nightly", "repro"), layouts=layouts, modes=modes, faults=tuple(args.fault), seed=args.seed,
                     out_dir=args.out or "reproducers", budget_s=args.budget,
                     stop_on_failure=bool(args.fault) and not args.keep_going,
                     progress=not args.json and not args.quiet, base=base)
-    try:
-        summary = camp.run()
-    finally:
-        camp.harness.close()
+    summary = camp.run()  # closes the harness it made
     if args.json:
         print(json.dumps(summary.to_json(), indent=1))
     else:

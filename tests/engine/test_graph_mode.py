@@ -73,6 +73,7 @@ def test_padding_follows_vllm_rules():
         eng.add_request("a", [1, 2, 3], 1)  # 3 tokens, 1 request -> padded to 8 tokens, 8 requests
         eng.step()
         rec = next(r for r in eng.collect_fa_records() if r.graph)
+        assert eng.collect_fa_records() == []  # collecting drains the ranks: an idle pooled engine holds none
         assert rec.q_shape[0] == 8 and rec.num_actual_tokens == 3 and rec.num_reqs == 1
         assert rec.cu_seqlens_q.tolist() == [0, 3] + [3] * 7  # tail repeats the last offset
         assert rec.seqused_k.tolist() == [3] + [0] * 7  # padded seq_lens are 0
