@@ -1,5 +1,5 @@
 """Calibrate the bf16/fp16 logits tolerance on a GPU: over fuzz Cases of each layout and
-mode, how large is max |logits - reference| relative to `fuzz.properties.logits_tolerance`?
+mode, how large is max |logits - reference| relative to `fuzz.tolerance.logits_tolerance`?
 
     PYTHONPATH=. python bench/gpu_tolerance.py --examples 12 [--backend torch_flash]
 

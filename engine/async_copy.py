@@ -135,13 +135,15 @@ class CudaAsyncCopier(AsyncCopier):
 
     Host-to-device staging copies go on the rank's compute stream, as vLLM issues them: they
     are ordered with compute, and the DMA reads the pinned source when the stream reaches
-    it, so a host write before then is the real race of field note 2. A host that prepares
+    it, so a host write before then is the real race of
+    docs/bug_classes.md#pp_shared_staging_buffer. A host that prepares
     the next microbatch before the current one's kernels are enqueued (`launch` without
     `start_compute` yet) must not let its copies overtake them, as in the CPU model: such
     copies are issued when that compute has been enqueued (`end_compute`). Copies issued inside
     compute (received PP tensors into the persistent buffer) go on a side stream, as a copy
     overlapping compute does; `wait` orders the compute stream after them (no host sync),
-    and skipping it is the real race of field notes 3 and 5. `should_delay` is the
+    and skipping it is the real race of docs/bug_classes.md#intermediate_copy_unsynced.
+    `should_delay` is the
     Schedule's decision, per copy, to put a `torch.cuda._sleep` in front of it.
     """
 

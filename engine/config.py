@@ -50,6 +50,10 @@ class EngineConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     dtype: str = "float32"
+    # The dtype the weights were stored in, when it differs from the compute dtype: weights
+    # are rounded through it first. A float32 oracle for a bf16 run computes on the bf16
+    # run's very weights, so what it measures is compute error, not weight rounding.
+    weights_dtype: str | None = None
     device: str = "cpu"
     model_path: str | None = None  # local safetensors / HF dir; None = seeded weights
     seed: int = 0
@@ -92,6 +96,8 @@ class EngineConfig:
         if not self.step_timeout_s > 0:
             raise ConfigError(f"step_timeout_s: must be > 0, got {self.step_timeout_s!r}")
         _choice("dtype", self.dtype, _DTYPES)
+        if self.weights_dtype is not None:
+            _choice("weights_dtype", self.weights_dtype, _DTYPES)
         _choice("attention_backend", self.attention_backend, _BACKENDS)
         _choice("cudagraph_mode", self.cudagraph_mode, _MODES)
         _choice("world", self.world, _WORLDS)
@@ -197,12 +203,6 @@ class EngineConfig:
         if unknown:
             raise ConfigError(f"config: unknown field {unknown[0]!r}")
         return cls(**d)
-
-    def model_key(self) -> tuple:
-        """Fields that decide the weights: engines with equal keys share a model."""
-        return (self.vocab_size, self.hidden_size, self.num_hidden_layers, self.num_attention_heads,
-                self.num_key_value_heads, self.head_dim, self.intermediate_size, self.rope_theta,
-                self.rms_norm_eps, self.dtype, self.model_path, self.seed)
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -4,13 +4,15 @@ A captured graph (make_fx on CPU) must still run these at replay: attention so i
 FA call is recorded with the scalars the graph baked in, collectives so ranks meet.
 Groups and attention sinks are found through registries keyed by ints, because a custom
 op takes only tensors and scalars. Eager mode goes through the same ops, so graph and
-eager share one code path.
+eager share one code path. `FACallRecord`, what a recorded call looked like, lives here
+beside `_record` (engine.attention.metadata re-exports it): this module imports nothing
+of the metadata module, which imports this one to register the ops.
 """
 from __future__ import annotations
 
 import itertools
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -22,6 +24,57 @@ _keys = itertools.count(1)
 # weights, KV cache and captured graphs): about 5 MB per engine over a long campaign.
 GROUPS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()  # key -> GroupCoordinator
 SINKS: "weakref.WeakValueDictionary[int, AttentionSink]" = weakref.WeakValueDictionary()  # key -> a runner's recording state
+
+
+# FACallRecord fields that say where a call happened, not what the kernel was handed.
+_WHERE = frozenset({"rank", "layer", "microbatch", "graph"})
+
+
+@dataclass(slots=True)
+class FACallRecord:
+    """One attention call as the kernel saw it (cheap: int tensors are small clones)."""
+
+    rank: int
+    layer: int
+    microbatch: int
+    graph: bool  # replayed from a captured graph
+    q_shape: tuple[int, ...]
+    q_stride: tuple[int, ...]
+    kv_shape: tuple[int, ...]
+    kv_stride: tuple[int, ...]
+    dtype: str
+    device: str
+    max_seqlen_q: int
+    max_seqlen_k: int
+    num_reqs: int
+    num_actual_tokens: int
+    cu_seqlens_q: torch.Tensor
+    seqused_k: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    causal: bool = True
+    backend: str = "reference"  # the kernel's dtype rules apply to real FA backends only
+
+    def varlen_args(self) -> dict:
+        """This call as keyword arguments of `engine.attention.fa_contract.check_varlen_args`.
+        q/k/v are meta tensors with the recorded shapes and strides: the contract only looks
+        at those, and a record keeps no activations."""
+        dtype = getattr(torch, self.dtype)
+        q = torch.empty_strided(self.q_shape, self.q_stride, dtype=dtype, device="meta")
+        kv = torch.empty_strided(self.kv_shape, self.kv_stride, dtype=dtype, device="meta")
+        return dict(q=q, k=kv, v=kv, cu_seqlens_q=self.cu_seqlens_q, cu_seqlens_k=None,
+                    max_seqlen_q=self.max_seqlen_q, max_seqlen_k=self.max_seqlen_k,
+                    block_table=self.block_table, seqused_k=self.seqused_k, causal=self.causal,
+                    num_reqs=self.num_reqs, num_actual_tokens=self.num_actual_tokens,
+                    slot_mapping=self.slot_mapping,
+                    require_half=self.device.startswith("cuda") and self.backend != "reference")
+
+    def contract_key(self) -> tuple:
+        """Equal for two records the contract cannot tell apart: every field but where the
+        call happened (so each layer's own scalars are in it), the snapshot tensors by
+        identity (a snapshot is a host copy nothing writes, shared by a forward's layers)."""
+        return tuple(id(v) if isinstance(v, torch.Tensor) else v
+                     for v in (getattr(self, f.name) for f in fields(self) if f.name not in _WHERE))
 
 
 def register_group(group) -> int:
@@ -131,9 +184,7 @@ def _(q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_ma
     return torch.empty_like(q)
 
 
-def _record(s: AttentionSink, layer, q, k_cache, qsl, seq_lens, bt, sm, max_q, max_k):
-    from engine.attention.metadata import FACallRecord
-
+def _record(s: AttentionSink, layer, q, k_cache, qsl, seq_lens, bt, sm, max_q, max_k) -> FACallRecord:
     if s._snap is None:
         # One snapshot per forward: every layer of a rank reads the same metadata buffers.
         s._snap = tuple(t.detach().to("cpu", copy=True) for t in (qsl, seq_lens, bt, sm))

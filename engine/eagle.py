@@ -1,4 +1,5 @@
-"""EagleProposer: an EAGLE-style draft head on the last PP rank (field note 10).
+"""EagleProposer: an EAGLE-style draft head on the last PP rank (speculative decoding:
+docs/bug_classes.md#spec_rollback_missing).
 
 The draft is one Llama decoder layer fed with `fc(concat(embed(token), target_hidden))`: at
 position q it sees the target's pre-final-norm hidden state h_q and the token at q + 1, and

@@ -1,8 +1,9 @@
 """The fault registry: each known bug class as a named, off-by-default switch.
 
-A fault changes the engine at the one place its real bug lived; the docstring names the
-field note (../shared/FIELD_NOTES.md) or upstream report it models. Faults exist to prove
-the harness catches bugs (`llmfuzz selftest`), never to make tests pass.
+A fault changes the engine at the one place its real bug lived; docs/bug_classes.md has a
+section per fault (anchor: the fault's name) on the real bug, with its upstream report where
+one is known. Faults exist to prove the harness catches bugs (`llmfuzz selftest`), never to
+make tests pass.
 """
 from __future__ import annotations
 
@@ -24,70 +25,82 @@ def register(name: str, doc: str, needs: str = "") -> None:
 
 
 register("graph_stale_max_seqlen",
-         "Field notes 1 and 12: the graph bakes max_seqlen_q / max_seqlen_k of the batch that "
+         "The graph bakes max_seqlen_q / max_seqlen_k of the batch that "
          "triggered its capture instead of bounds valid for every batch of that size, so a replay "
          "with a longer query leaves rows uncomputed (NaN here, garbage on a GPU). Minimum: tp1pp1 "
-         "graph, 2 requests (a short one captures the size, a longer one replays it).",
+         "graph, 2 requests (a short one captures the size, a longer one replays it). "
+         "See docs/bug_classes.md#graph_stale_max_seqlen.",
          needs="graph mode; a later batch with a longer query at the same captured size")
 register("pp_shared_staging_buffer",
-         "Field note 2: with PP microbatches in flight, the host staging buffer of the next "
+         "With PP microbatches in flight, the host staging buffer of the next "
          "microbatch is written before the previous microbatch's non_blocking copy landed, so one "
          "batch's scalars meet another's query_start_loc. Minimum: tp1pp2, 2 requests in two "
-         "microbatches, a schedule that prepares ahead and delays copies.",
+         "microbatches, a schedule that prepares ahead and delays copies. "
+         "See docs/bug_classes.md#pp_shared_staging_buffer.",
          needs="pp>=2; a schedule with prepare_ahead and copy_delay")
 register("stale_query_start_loc_tail",
-         "Field note 2: padded entries of query_start_loc past num_reqs are not refreshed, and a "
+         "Padded entries of query_start_loc past num_reqs are not refreshed, and a "
          "padded graph reads them (stale offsets of an earlier, larger batch, or poison). Minimum: "
-         "tp1pp1 graph, 1 request (the tail holds the reset poison).",
+         "tp1pp1 graph, 1 request (the tail holds the reset poison). "
+         "See docs/bug_classes.md#stale_query_start_loc_tail.",
          needs="graph mode")
 register("sp_residual_copy_len",
-         "Field note 5: `is_scattered = \"residual\" and is_residual_scattered` is always "
+         "`is_scattered = \"residual\" and is_residual_scattered` is always "
          "is_residual_scattered, so with sequence parallelism hidden_states is copied into the "
          "persistent PP buffer for only num_tokens // tp rows. Minimum: tp2pp2 with SP, 1 request "
-         "of 2 tokens (num_tokens // tp < num_tokens).",
+         "of 2 tokens (num_tokens // tp < num_tokens). "
+         "See docs/bug_classes.md#sp_residual_copy_len.",
          needs="pp>=2, tp>=2, sequence_parallel")
 register("intermediate_copy_unsynced",
-         "Field notes 3 and 5: the non_blocking copy of received IntermediateTensors into the "
+         "The non_blocking copy of received IntermediateTensors into the "
          "persistent PP buffer is not waited on before the stage reads the buffer. Minimum: tp1pp2, "
-         "1 request of 1 token.",
+         "1 request of 1 token. "
+         "See docs/bug_classes.md#intermediate_copy_unsynced.",
          needs="pp>=2")
 register("pp_uneven_partition",
-         "Field note 6: the layer split loses a layer when layers % pp != 0 (the last stage stops "
+         "The layer split loses a layer when layers % pp != 0 (the last stage stops "
          "one layer early): pp3 of 8 layers is wrong while every even split is right. Minimum: "
-         "tp1pp3 (the smallest pp that does not divide the fuzz model's 8 layers), 1 request.",
+         "tp1pp3 (the smallest pp that does not divide the fuzz model's 8 layers), 1 request. "
+         "See docs/bug_classes.md#pp_uneven_partition.",
          needs="pp not dividing num_hidden_layers")
 register("pp_allgather_non_replicated",
-         "Field note 8 (SGLang #30015): the PP send's all_gather optimisation is applied to the "
+         "SGLang #30015: the PP send's all_gather optimisation is applied to the "
          "sequence-parallel residual, which differs per TP rank, so the receiver reassembles pieces "
-         "of different shards. Minimum: tp2pp2 with SP, 1 request of 2 tokens.",
+         "of different shards. Minimum: tp2pp2 with SP, 1 request of 2 tokens. "
+         "See docs/bug_classes.md#pp_allgather_non_replicated.",
          needs="pp>=2, tp>=2, sequence_parallel")
 register("pp_logits_not_broadcast",
-         "Field note 7: with broadcast_pp_output, non-last ranks sample from the logits of their "
+         "With broadcast_pp_output, non-last ranks sample from the logits of their "
          "previous step instead of the broadcast ones, so ranks disagree on sampled tokens. "
-         "Minimum: tp1pp2 with broadcast_pp_output, 1 request.",
+         "Minimum: tp1pp2 with broadcast_pp_output, 1 request. "
+         "See docs/bug_classes.md#pp_logits_not_broadcast.",
          needs="pp>=2, broadcast_pp_output")
 register("reorder_partial_swap",
-         "Field note 9: reorder_batch swaps a request's token rows but not its block-table row, so "
+         "reorder_batch swaps a request's token rows but not its block-table row, so "
          "requests attend through another request's KV blocks. Minimum: tp1pp1, a prefill and a "
-         "decode in one step in an order reorder_batch changes (2-3 requests, staggered arrival).",
+         "decode in one step in an order reorder_batch changes (2-3 requests, staggered arrival). "
+         "See docs/bug_classes.md#reorder_partial_swap.",
          needs="a batch mixing decodes and prefills that reorder_batch reorders")
 register("pp_stale_new_token_ids",
-         "Field note 11: non-last PP ranks drop the newest entry of new_token_ids for cached "
+         "Non-last PP ranks drop the newest entry of new_token_ids for cached "
          "requests, so their input_ids lag the last rank's. Minimum: tp1pp2, 1 request of 1 token "
-         "with max_tokens 2 (the first decode step).",
+         "with max_tokens 2 (the first decode step). "
+         "See docs/bug_classes.md#pp_stale_new_token_ids.",
          needs="pp>=2 and a decode step")
 register("capture_metadata_baked",
-         "Field note 12: build_for_cudagraph_capture bakes the capture batch's number of requests "
+         "build_for_cudagraph_capture bakes the capture batch's number of requests "
          "into the graph, so a replay with more real requests treats the extra ones as padding "
          "(their rows are never computed). In this engine padded rows are inert (q_len 0, "
          "seq_len 0), so the visible direction is more requests than at capture. Minimum: tp1pp1 "
-         "graph, 1 request captures the size, a later step at that size holds 2.",
+         "graph, 1 request captures the size, a later step at that size holds 2. "
+         "See docs/bug_classes.md#capture_metadata_baked.",
          needs="graph mode; a replay with more requests than its capture")
 register("spec_rollback_missing",
-         "Field note 10 (vLLM #49355, #52071): rejected draft tokens are not rolled back in "
+         "vLLM #49355, #52071: rejected draft tokens are not rolled back in "
          "num_computed_tokens, so the next step computes from positions past the real sequence "
          "end. Minimum: tp1pp1 with ngram drafting, 1 request whose prompt repeats a token (so a "
-         "draft exists) and a draft the model rejects.",
+         "draft exists) and a draft the model rejects. "
+         "See docs/bug_classes.md#spec_rollback_missing.",
          needs="speculative decoding with a rejected draft")
 
 

@@ -2,7 +2,7 @@
 
 Rows hold exactly the requests of the microbatch being prepared. `swap_states` moves every
 per-request row together (token ids, counts, block-table row, id), because a request
-attended or sampled with another request's state is field note 9.
+attended or sampled with another request's state is docs/bug_classes.md#reorder_partial_swap.
 """
 from __future__ import annotations
 

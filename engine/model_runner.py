@@ -5,7 +5,8 @@ from the SchedulerOutput, fill the persistent InputBatch, reorder it, compute th
 host scalars, write the staging buffers and issue their async copies. `execute` is the
 device work: PP receive into persistent buffers, forward, PP send or logits and sampling.
 With PP the host may prepare microbatch m+1 before m executes (it runs ahead of the device
-in a real engine), which is where the staging-buffer races of field note 2 live.
+in a real engine), which is where the staging-buffer races of
+docs/bug_classes.md#pp_shared_staging_buffer live.
 """
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.async_copy import AsyncCopier, CopyHandle
-from engine.attention.metadata import AttentionContext, AttentionMetadataBuilder, CommonAttentionMetadata
+from engine.attention.fa_contract import check_varlen_args
+from engine.attention.metadata import (AttentionContext, AttentionMetadataBuilder,
+                                       CommonAttentionMetadata, FACallRecord)
 from engine.config import EngineConfig
 from engine.cuda_graph import BatchDescriptor, CudagraphDispatcher, GraphStore
 from engine.eagle import EagleInputs, EagleProposer
@@ -58,14 +61,10 @@ class PreparedBatch:
     eagle: EagleInputs | None = None
 
 
-def check_before_replay(rec) -> None:
+def check_before_replay(rec: FACallRecord) -> None:
     """The FA varlen contract on one replay's host-side record; raises FAInvariantError.
-    (The fuzz harness's checker, as any engine would use the llmfuzz guard.)"""
-    from fuzz.invariants import check_varlen_args
-    from fuzz.properties import record_args
-
-    args, kwargs = record_args(rec)
-    check_varlen_args(*args, **kwargs)
+    (The same contract the harness and the llmfuzz guard check, from its engine-side home.)"""
+    check_varlen_args(**rec.varlen_args())
 
 
 class GPUModelRunner:
@@ -164,7 +163,7 @@ class GPUModelRunner:
     def prepare(self, so: SchedulerOutput) -> PreparedBatch:
         # The previous microbatch's copies read the staging buffers (the InputBatch block
         # table among them) when they land: wait for them before overwriting any of it.
-        # Skipping this wait is field note 2.
+        # Skipping this wait is docs/bug_classes.md#pp_shared_staging_buffer.
         if not self.faults.on("pp_shared_staging_buffer"):
             for h in self._staging_copies:
                 self.copier.wait(h)
@@ -263,7 +262,8 @@ class GPUModelRunner:
         T = desc.num_tokens
         if desc not in self._baked:
             if self.faults.on("graph_stale_max_seqlen"):
-                # Field note 1: the scalars of the batch that happened to trigger the capture.
+                # docs/bug_classes.md#graph_stale_max_seqlen: the scalars of the batch that
+                # happened to trigger the capture.
                 baked = (pb.max_query_len, pb.max_seq_len, desc.num_reqs)
             else:
                 d = self.builder.build_for_cudagraph_capture(
@@ -272,7 +272,7 @@ class GPUModelRunner:
                     num_tokens=T, num_reqs=desc.num_reqs, max_model_len=cfg.max_model_len)
                 baked = (d.max_query_len, d.max_seq_len, d.num_reqs)
             if self.faults.on("capture_metadata_baked"):
-                baked = baked[:2] + (pb.num_reqs,)  # field note 12: the capture batch's count
+                baked = baked[:2] + (pb.num_reqs,)  # docs/bug_classes.md#capture_metadata_baked
             self._baked[desc] = baked
         max_q, max_k, R = self._baked[desc]
         bufs = [self.query_start_loc.gpu[:R + 1], self.seq_lens.gpu[:R], self.block_table[:R],
@@ -340,7 +340,8 @@ class GPUModelRunner:
                 out = self._forward(md, self.input_ids.gpu[:T], self.positions.gpu[:T], hidden, residual)
             if not m.is_last:
                 # The sequence-parallel residual differs per TP rank: it must go whole
-                # (applying the all_gather split to it is field note 8).
+                # (applying the all_gather split to it is
+                # docs/bug_classes.md#pp_allgather_non_replicated).
                 scattered = ("residual",) if cfg.sequence_parallel and not self.faults.on(
                     "pp_allgather_non_replicated") else ()
                 g.pp.send_tensor_dict({"hidden_states": out[0], "residual": out[1]},
@@ -355,11 +356,12 @@ class GPUModelRunner:
         finally:
             self.copier.end_compute(pb.microbatch)
         if cfg.broadcast_pp_output and cfg.pp > 1:
-            # Every rank receives the last stage's logits and samples itself (field note 7).
+            # Every rank receives the last stage's logits and samples itself
+            # (docs/bug_classes.md#pp_logits_not_broadcast).
             logits = g.pp.broadcast_tensor_dict({"logits": logits} if m.is_last else None,
                                                 src=cfg.pp - 1)["logits"]
             if self.faults.on("pp_logits_not_broadcast") and not m.is_last:
-                # Field note 7: sample from the previous step's logits, not the broadcast.
+                # The fault: sample from the previous step's logits, not the broadcast.
                 fresh = logits
                 logits = self._stale_logits if self._stale_logits is not None and \
                     self._stale_logits.shape == fresh.shape else torch.zeros_like(fresh)

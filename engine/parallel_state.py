@@ -52,14 +52,6 @@ class GroupCoordinator(abc.ABC):
         ...
 
     # -- collectives ------------------------------------------------------------------
-    @property
-    def is_first_rank(self) -> bool:
-        return self.rank_in_group == 0
-
-    @property
-    def is_last_rank(self) -> bool:
-        return self.rank_in_group == self.world_size - 1
-
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
             return t

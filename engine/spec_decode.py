@@ -1,4 +1,5 @@
-"""Speculative decoding: n-gram drafting and greedy verification (field note 10).
+"""Speculative decoding: n-gram drafting and greedy verification
+(docs/bug_classes.md#spec_rollback_missing).
 
 `NgramProposer` looks up the request's last n tokens (longest n first, between min_n and
 max_n) earlier in its own tokens and proposes the k tokens that followed. The scheduler

@@ -48,7 +48,15 @@ def make_state_dict(cfg: EngineConfig) -> dict[str, torch.Tensor]:
         sd[n["post_attention_layernorm.weight"]] = norm(H)
     sd["model.norm.weight"] = norm(H)
     sd["lm_head.weight"] = lin(V, H, 1.0)
+    return _cast(sd, cfg)
+
+
+def _cast(sd: dict[str, torch.Tensor], cfg: EngineConfig) -> dict[str, torch.Tensor]:
+    """To the compute dtype, through the storage dtype first when the config names one."""
     dtype = cfg.torch_dtype()
+    if cfg.weights_dtype is not None:
+        store = getattr(torch, cfg.weights_dtype)
+        return {k: v.to(store).to(dtype) for k, v in sd.items()}
     return {k: v.to(dtype) for k, v in sd.items()}
 
 
@@ -75,8 +83,7 @@ def load_state_dict(cfg: EngineConfig) -> dict[str, torch.Tensor]:
     extra = sorted(k for k in sd if k.startswith("model.layers.") and k not in expected)
     if extra:
         raise ConfigError(f"model_path: checkpoint has {extra[0]} beyond num_hidden_layers={cfg.num_hidden_layers}")
-    dtype = cfg.torch_dtype()
-    return {k: v.to(dtype) for k, v in sd.items()}
+    return _cast(sd, cfg)
 
 
 def expected_shapes(cfg: EngineConfig) -> dict[str, tuple[int, ...]]:

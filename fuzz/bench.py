@@ -7,6 +7,8 @@ Figures (each a median of several runs where it is cheap enough):
   run bare (engine steps only: no reference run, no properties, no Hypothesis);
 - `pytest -n 2` speed-up over `-n 1` on the property tests (tests/fuzz/test_properties.py);
 - time to first detection and total time (incl. shrinking) for a few faults;
+- the logits check's margin in bf16 and fp16: clean runs' largest error/tolerance beside the
+  ratio of each fault's minimal reproducer (`fuzz.margin`);
 - peak resident memory of this process and of its children.
 """
 from __future__ import annotations
@@ -126,6 +128,17 @@ def run_bench(quick: bool = False, progress: bool = True) -> dict:
     faults = run_selftest(list(BENCH_FAULTS), budget_per_fault=15.0 if quick else 60.0,
                           out_dir=os.path.join("bench-out", "faults"), progress=False,
                           shrink_grace_s=5.0 if quick else None)
+    # The logits check's margin per half dtype: clean runs' largest error/tolerance beside
+    # each fault's (its committed minimal reproducer replayed in that dtype).
+    from fuzz.margin import measure_margin
+    from fuzz.strategies import FUZZ_MODEL
+
+    margins = [measure_margin(FUZZ_MODEL.replace(dtype=d), examples=2 if quick else 6)
+               for d in ("bfloat16", "float16")]
+    if progress:
+        for m in margins:
+            print(json.dumps({k: m[k] for k in ("dtype", "clean_max_ratio", "smallest_logits_fault_ratio")}),
+                  file=sys.stderr)
     speed = _pytest_speedup()
     me = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
@@ -137,6 +150,7 @@ def run_bench(quick: bool = False, progress: bool = True) -> dict:
                        "examples": r.examples, "seconds_incl_shrink": r.total_seconds,
                        "shrunk_requests": r.requests, "shrunk_tokens": r.tokens, "layout": r.layout}
                       for r in faults],
+        "precision_margin": margins,
         "pytest_parallel": speed,
         "peak_rss_mb": {"self": round(me, 1), "children": round(kids, 1)},
         "seconds": round(time.perf_counter() - t_all, 1),

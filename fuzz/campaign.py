@@ -6,6 +6,7 @@ goes on (or stops, with `stop_on_failure`, as selftest does).
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import sys
@@ -54,6 +55,8 @@ class Failure:
     case_desc: str
     path: str
     error_ratio: float | None
+    oracle: str | None = None  # what the failing run was compared against
+    second_opinion: str | None = None
 
 
 @dataclass
@@ -110,7 +113,9 @@ class Campaign:
                  budget_s: float = 60.0, chunk: int = 8, stop_on_failure: bool = False,
                  progress: bool = True, base=FUZZ_MODEL, max_requests: int = 10,
                  harness: Harness | None = None, use_database: bool = False,
-                 shrink_grace_s: float | None = None, isolate: str = "auto") -> None:
+                 shrink_grace_s: float | None = None, isolate: str = "auto",
+                 oracles: frozenset[str] = frozenset(), fault_scope: str = "test") -> None:
+        self.fault_scope = fault_scope  # "everywhere": the faults are in every run (selftest --everywhere)
         self.shrink_grace_s = shrink_grace_s  # shrinking past the budget; None: max(60 s, budget / 2)
         self.use_database = use_database
         self.layouts, self.modes, self.faults = tuple(layouts), tuple(modes), tuple(faults)
@@ -123,7 +128,7 @@ class Campaign:
         # Without a harness given, one of our own (isolated on CUDA, as `make_harness` says),
         # its engine pool sized for these layouts and modes.
         self.harness = harness or make_harness(base.device, isolate,
-                                               pool_capacity_for(len(self.layouts), len(self.modes)))
+                                               pool_capacity_for(len(self.layouts), len(self.modes)), oracles)
         self._own_harness = harness is None
         self._last_print = 0.0
         # Cases that passed, by their JSON. Each chunk's Hypothesis run starts from the
@@ -134,6 +139,8 @@ class Campaign:
 
     def _body(self, case) -> None:
         check_stop()
+        if self.fault_scope != case.fault_scope:
+            case = dataclasses.replace(case, fault_scope=self.fault_scope)
         now = time.monotonic()
         if now > self._hard_deadline or (now > self._deadline and self._smallest is None):
             # Out of time: the rest of the chunk passes untested (not counted); a shrink in
@@ -162,7 +169,8 @@ class Campaign:
         """Write a reproducer; when the disk is full or the directory unwritable, print the
         Case in full instead, so the failure is not lost, and remember it for the exit code."""
         try:
-            return write_reproducer(self.out_dir, v.case, v.property, v.message, v.error_ratio)
+            return write_reproducer(self.out_dir, v.case, v.property, v.message, v.error_ratio,
+                                    v.oracle, v.second_opinion)
         except OSError as e:
             self.summary.write_errors += 1
             sys.stderr.write(f"\nllmfuzz: cannot write reproducer to {self.out_dir} ({e.strerror or e}); "
@@ -210,10 +218,12 @@ class Campaign:
             os.unlink(self._first_path)
         self._first_path, self._smallest = None, None
         if path is None or not any(f.path == path for f in self.summary.failures):
-            self.summary.failures.append(Failure(v.property, v.message, case.describe(), path, v.error_ratio))
+            self.summary.failures.append(Failure(v.property, v.message, case.describe(), path, v.error_ratio,
+                                                 v.oracle, v.second_opinion))
             self.summary.cells.setdefault((case.layout, case.mode), CellStats()).failures += 1
         if self.progress:
-            sys.stderr.write(f"\nFOUND {v.property}: {v.message}\n  {case.describe()}\n  -> {path}\n")
+            by = f" (against {v.oracle})" if v.oracle else ""
+            sys.stderr.write(f"\nFOUND {v.property}{by}: {v.message}\n  {case.describe()}\n  -> {path}\n")
         if interrupted:
             raise KeyboardInterrupt
 
@@ -228,7 +238,7 @@ class Campaign:
             try:
                 self.harness.check(case)
             except Violation as w:
-                if w.property == v.property:
+                if (w.property, w.oracle) == (v.property, v.oracle):
                     best["v"] = self._min_best = w
                     return True
             return False

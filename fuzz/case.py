@@ -14,7 +14,9 @@ from engine.config import ConfigError, EngineConfig
 from engine.faults import FAULTS
 from engine.schedule import Schedule
 
-CASE_FORMAT = 1
+# 2: `fault_scope` (faults in the test run only, or in every run the harness makes).
+CASE_FORMAT = 2
+FAULT_SCOPES = ("test", "everywhere")
 
 
 class CaseFormatError(ValueError):
@@ -43,6 +45,10 @@ class Case:
     workload: Workload
     schedule: Schedule = field(default_factory=Schedule)
     faults: tuple[str, ...] = ()
+    # "test": faults switch on in the run under test only (the differential check's view);
+    # "everywhere": in every engine run the harness makes (reference included), as a real
+    # bug in shared code would be. Only oracles that share no code with it can then see it.
+    fault_scope: str = "test"
 
     @property
     def layout(self) -> str:
@@ -65,7 +71,7 @@ class Case:
         if not self.schedule.is_default:
             extra.append(f"schedule={self.schedule.to_dict()}")
         if self.faults:
-            extra.append(f"faults={list(self.faults)}")
+            extra.append(f"faults={list(self.faults)}" + (" everywhere" if self.fault_scope == "everywhere" else ""))
         return (f"{self.layout} {self.mode} | {len(lens)} request(s), prompt lens {lens}, "
                 f"budget {self.config.max_num_batched_tokens}, blocks {self.config.num_gpu_blocks}"
                 + (" | " + " ".join(extra) if extra else ""))
@@ -89,6 +95,8 @@ class Case:
             if bad:
                 raise CaseFormatError(f"workload.requests[{i}]: token id {bad[0]} outside vocab "
                                       f"of {cfg.vocab_size}")
+        if self.fault_scope not in FAULT_SCOPES:
+            raise CaseFormatError(f"fault_scope: {self.fault_scope!r} is not one of {', '.join(FAULT_SCOPES)}")
         unknown = [f for f in self.faults if f not in FAULTS]
         if unknown:
             raise CaseFormatError(f"faults: unknown fault {unknown[0]!r}")
@@ -102,6 +110,7 @@ class Case:
                           "arrival_step": r.arrival_step} for r in self.workload.requests],
             "schedule": self.schedule.to_dict(),
             "faults": list(self.faults),
+            "fault_scope": self.fault_scope,
         }
 
     def to_json(self) -> str:
@@ -133,9 +142,10 @@ class Case:
                                      int(r.get("arrival_step", 0))) for r in d["workload"])
             sched = Schedule.from_dict(d.get("schedule", {}))
             faults = tuple(str(f) for f in d.get("faults", ()))
+            scope = str(d.get("fault_scope", "test"))  # format 1 had test-run faults only
         except (KeyError, TypeError, ValueError) as e:
             raise CaseFormatError(f"case: malformed workload/schedule/faults ({type(e).__name__}: {e})") from None
-        case = cls(cfg, Workload(reqs), sched, faults)
+        case = cls(cfg, Workload(reqs), sched, faults, scope)
         case.validate()
         return case
 
@@ -152,6 +162,14 @@ class Case:
 
 
 def reference_config(cfg: EngineConfig) -> EngineConfig:
-    """The oracle's config: same model, cache and budget; tp1pp1, eager, in-process."""
+    """The reference run's config: same model, cache and budget; tp1pp1, eager, in-process,
+    plain decoding (never speculative: a speculative Case is compared with plain greedy
+    decoding), float32 on the test run's weights (a bf16 run's weights rounded to bf16),
+    with the reference attention backend (real kernels take half precision only)."""
+    half = cfg.dtype not in ("float32", "float64")
     return cfg.replace(tensor_parallel_size=1, pipeline_parallel_size=1, sequence_parallel=False,
-                       broadcast_pp_output=False, cudagraph_mode="NONE", capture_sizes=(), world="inproc")
+                       broadcast_pp_output=False, cudagraph_mode="NONE", capture_sizes=(), world="inproc",
+                       speculative_method="none", num_speculative_tokens=0,
+                       dtype="float32" if half else cfg.dtype,
+                       weights_dtype=cfg.weights_dtype or (cfg.dtype if half else None),
+                       attention_backend="reference")

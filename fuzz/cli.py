@@ -53,6 +53,20 @@ def _base_config(args):
         raise BadInput(str(e)) from None
 
 
+def _oracles(args) -> frozenset[str]:
+    """--oracle NAME[,NAME]: oracles that check every Case (fuzz/oracles/__init__.py)."""
+    from fuzz.oracles import UnknownOracle, parse_oracles
+    from fuzz.oracles.hf import available
+
+    try:
+        names = parse_oracles(getattr(args, "oracle", None))
+    except UnknownOracle as e:
+        raise BadInput(str(e)) from None
+    if "transformers" in names and not available():
+        raise BadInput("--oracle transformers: transformers is not installed (pip install transformers)")
+    return names
+
+
 TARGETS = ("reference", "vllm")
 VLLM_ONLY = ("configs", "cells", "exclude", "known")
 
@@ -85,7 +99,8 @@ def cmd_run(args) -> int:
     if not 0 < args.budget < float("inf"):
         raise BadInput(f"--budget: {args.budget} is not a positive number of seconds")
     profile = _load_profile(args.profile)
-    camp = Campaign(isolate=args.isolate, use_database=profile in ("nightly", "repro"), layouts=layouts, modes=modes, faults=tuple(args.fault), seed=args.seed,
+    oracles = _oracles(args)
+    camp = Campaign(oracles=oracles, isolate=args.isolate, use_database=profile in ("nightly", "repro"), layouts=layouts, modes=modes, faults=tuple(args.fault), seed=args.seed,
                     out_dir=args.out or "reproducers", budget_s=args.budget,
                     stop_on_failure=bool(args.fault) and not args.keep_going,
                     progress=not args.json and not args.quiet, base=base)
@@ -139,7 +154,8 @@ def cmd_replay(args) -> int:
         from fuzz.targets.vllm_cli import _cmd_replay
 
         return _cmd_replay(args)
-    h = make_harness(repro.case.config.device, args.isolate)
+    # A replay checks every oracle: the one that found the failure may have been sampled.
+    h = make_harness(repro.case.config.device, args.isolate, oracles=_oracles(args) or _replay_oracles())
     violation = None
     try:
         h.check(repro.case)
@@ -150,11 +166,19 @@ def cmd_replay(args) -> int:
     if args.json:
         print(json.dumps({"file": args.file, "reproduces": violation is not None,
                           "property": getattr(violation, "property", None),
+                          "oracle": getattr(violation, "oracle", None),
                           "message": str(violation) if violation else None,
                           "recorded_property": repro.property}))
     else:
         print(replay_report(repro, violation))
     return EXIT_FAIL if violation is not None else EXIT_OK
+
+
+def _replay_oracles() -> frozenset[str]:
+    from fuzz.oracles import ORACLES
+    from fuzz.oracles.hf import available
+
+    return frozenset(o for o in ORACLES if o != "transformers" or available())
 
 
 def cmd_minimize(args) -> int:
@@ -164,7 +188,7 @@ def cmd_minimize(args) -> int:
     from fuzz.shrink import minimize
 
     repro = _load(args.file)
-    h = make_harness(repro.case.config.device, args.isolate)
+    h = make_harness(repro.case.config.device, args.isolate, oracles=_oracles(args) or _replay_oracles())
     last: dict = {}
 
     def still_fails(case) -> bool:
@@ -186,7 +210,7 @@ def cmd_minimize(args) -> int:
     finally:
         h.close()
     v = last["v"]
-    path = write_reproducer(args.out, small, v.property, v.message, v.error_ratio)
+    path = write_reproducer(args.out, small, v.property, v.message, v.error_ratio, v.oracle, v.second_opinion)
     print(f"minimized in {checks} checks: {small.describe()}\n  {v.property}: {v.message}\n  -> {path}")
     return EXIT_FAIL
 
@@ -215,9 +239,11 @@ def cmd_selftest(args) -> int:
     _load_profile(args.profile)
     base = _base_config(args)
     results = run_selftest(names, args.budget_per_fault, args.out, args.seed, progress=not args.json, base=base,
-                           isolate=args.isolate)
+                           isolate=args.isolate, everywhere=args.everywhere, oracles=_oracles(args))
     if args.json:
-        print(json.dumps(summary_json(results), indent=1))
+        print(json.dumps({**summary_json(results), "dtype": base.dtype, "device": base.device,
+                          "attention_backend": base.attention_backend, "everywhere": args.everywhere,
+                          "budget_per_fault": args.budget_per_fault, "seed": args.seed}, indent=1))
     else:
         print(table(results))
     if any(r.interrupted for r in results):
@@ -266,6 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--dtype", default="float32", help="model dtype: float32 (default), bfloat16, float16")
     r.add_argument("--attention-backend", default="reference",
                    help="reference (default), torch_flash (PyTorch's FlashAttention-2 kernel, CUDA), flash_attn")
+    r.add_argument("--oracle", default=None,
+                   help="oracles that check every Case: reference, solo, transformers, determinism, all "
+                        "(default: reference and solo always, transformers and determinism sampled)")
     r.add_argument("--profile", default=None, help="Hypothesis profile: dev, ci, nightly, repro")
     r.add_argument("--json", action="store_true", help="print the summary as JSON")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -281,6 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("replay", help="re-run a reproducer: exit 1 if it still fails")
     rp.add_argument("file")
     rp.add_argument("--json", action="store_true")
+    rp.add_argument("--oracle", default=None, help="oracles to check (default: all)")
     rp.add_argument("--isolate", default="auto", choices=("auto", "on", "off"),
                    help="run Cases in a worker process that is replaced after a fatal error "
                         "(auto: on for CUDA devices)")
@@ -288,6 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     mn = sub.add_parser("minimize", help="shrink a reproducer's Case further")
     mn.add_argument("file")
     mn.add_argument("--out", default="reproducers")
+    mn.add_argument("--oracle", default=None, help="oracles to check (default: all)")
     mn.add_argument("--isolate", default="auto", choices=("auto", "on", "off"),
                    help="run Cases in a worker process that is replaced after a fatal error "
                         "(auto: on for CUDA devices)")
@@ -301,6 +332,13 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--out", default="reproducers/faults")
     st.add_argument("--seed", type=int, default=0)
     st.add_argument("--profile", default=None)
+    st.add_argument("--everywhere", action="store_true",
+                    help="switch each fault on in every run the harness makes (reference included), as a "
+                         "real bug in shared code would be; only independent oracles can then see it")
+    st.add_argument("--oracle", default=None,
+                   help="oracles that check every Case: reference, solo, transformers, determinism, all "
+                        "(default: reference and solo always, transformers and determinism sampled)")
+
     st.add_argument("--json", action="store_true")
     st.add_argument("--device", default="cpu")
     st.add_argument("--world", default="inproc", choices=("inproc", "torch"))

@@ -33,7 +33,8 @@ writes the call's arguments to `dump_dir/<one folder per violation>` (fuzz/guard
 Device values. `check_varlen_args` copies cu_seqlens / seqused_k / block_table to the host
 (a device synchronisation). With check_device_values=False, and always while the current
 CUDA stream is capturing a graph, under torch.compile tracing, or for fake/meta tensors,
-only `check_varlen_shapes` runs: shapes, dtypes, devices, strides and host scalars, no
+only `check_varlen_shapes` runs (the first phase of the contract in
+engine/attention/fa_contract.py): shapes, dtypes, devices, strides and host scalars, no
 device-to-host copy. A captured CUDA graph replays kernels without running Python, so the
 guard sees a graphed call once, at capture, with the capture batch's buffers: a baked
 `max_seqlen_q` that a later replay's batch outgrows is invisible to it (docs/guard.md).
@@ -51,15 +52,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fuzz import _guard_autoinstall as _hook
-from fuzz.invariants import (FAInvariantError, _as_int, _check_device, _check_qkv, _fail, _index_shape,
-                             check_varlen_args)
+from engine.attention.fa_contract import FAInvariantError, check_varlen_args, check_varlen_shapes, is_fake
+# The import watcher, shared with the start-up hook (fuzz._guard_autoinstall imports this module).
+from fuzz import _guard_watch
 
 __all__ = ["FAGuardWarning", "FAInvariantError", "MODES", "TARGETS", "Target", "check_varlen_shapes",
            "install", "installed", "is_installed", "stats", "status", "uninstall", "wrap"]
 
-MODES = _hook.MODES
-DEFAULT_DUMP_DIR = _hook.DEFAULT_DUMP_DIR
+MODES = _guard_watch.MODES
+DEFAULT_DUMP_DIR = _guard_watch.DEFAULT_DUMP_DIR
 
 
 class FAGuardWarning(RuntimeWarning):
@@ -121,79 +122,6 @@ _REQUIRED = ("q", "k", "v", "cu_seqlens_q", "max_seqlen_q", "max_seqlen_k")
 _FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
                                           "float8_e5m2fnuz") if hasattr(torch, n))
 _MISSING = object()
-
-
-# -- host-visible checks ------------------------------------------------------------------------
-
-def _host_int(name: str, x: object) -> int | None:
-    """An integer scalar's value when it is on the host; None for a device tensor (reading it
-    would synchronise), after checking what is visible without reading."""
-    if isinstance(x, torch.Tensor) and x.numel() == 1 and not x.is_floating_point() \
-            and x.device.type != "meta" and (x.device.type != "cpu" or _is_fake(x)):
-        return None
-    return _as_int(name, x)
-
-
-def check_varlen_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor | None,
-                        max_seqlen_q: int, max_seqlen_k: int, *,
-                        block_table: torch.Tensor | None = None,
-                        seqused_k: torch.Tensor | None = None, causal: bool = True,
-                        num_reqs: int | None = None, num_actual_tokens: int | None = None,
-                        slot_mapping: torch.Tensor | None = None, require_half: bool | None = None,
-                        max_head_dim: int = 256, tile_q: int | None = None) -> None:
-    """The subset of `check_varlen_args` that reads no device memory: q/k/v shapes, dtypes,
-    devices and strides, the index tensors' dtypes/ranks/lengths, host scalars. Same
-    messages, same order; safe inside CUDA graph capture and on fake tensors. It cannot see
-    cu_seqlens / seqused_k / block_table values (so not an understated max_seqlen)."""
-    paged = block_table is not None
-    _check_qkv(q, k, v, paged, require_half, max_head_dim)
-    dev = q.device
-    cu_q = _index_shape("cu_seqlens_q", cu_seqlens_q, dev, 1)
-    batch = cu_q.numel() - 1
-    n = batch if num_reqs is None else _host_int("num_reqs", num_reqs)
-    if n is not None and n > batch:
-        _fail("num_reqs", f"num_reqs={n} > batch size {batch} (len(cu_seqlens_q) - 1)")
-    _host_int("max_seqlen_q", max_seqlen_q)
-    _host_int("max_seqlen_k", max_seqlen_k)
-    tokens = None if num_actual_tokens is None else _host_int("num_actual_tokens", num_actual_tokens)
-    if cu_q.numel() == 0:
-        _fail("cu_seqlens_q", "cu_seqlens_q is empty; it needs batch + 1 entries")
-    if cu_seqlens_k is not None:
-        cu_k = _index_shape("cu_seqlens_k", cu_seqlens_k, dev, 1)
-        if cu_k.numel() != batch + 1:
-            _fail("cu_seqlens_k", f"cu_seqlens_k has {cu_k.numel()} entries, cu_seqlens_q has {batch + 1}")
-    elif not paged:
-        _fail("cu_seqlens_k", "cu_seqlens_k is required without block_table")
-    if seqused_k is not None:
-        used = _index_shape("seqused_k", seqused_k, dev, 1)
-        if used.numel() != batch:
-            _fail("seqused_k", f"seqused_k has {used.numel()} entries, the batch has {batch}")
-    elif cu_seqlens_k is None:
-        _fail("seqused_k", "paged KV without cu_seqlens_k needs seqused_k")
-    if tile_q is not None and _host_int("tile_q", tile_q) == 0:
-        _fail("tile_q", "tile_q must be positive")
-    if paged:
-        bt = _index_shape("block_table", block_table, dev, 2)
-        if bt.shape[0] < batch:
-            _fail("block_table", f"block_table has {bt.shape[0]} rows, fewer than the batch size {batch}")
-    if slot_mapping is not None:
-        sm = _index_shape("slot_mapping", slot_mapping, dev, 1, (torch.int64, torch.int32))
-        if tokens is not None and sm.numel() < tokens:
-            _fail("slot_mapping", f"slot_mapping has {sm.numel()} entries < num_actual_tokens={tokens}")
-
-
-_fake_type = None
-
-
-def _is_fake(t: torch.Tensor) -> bool:
-    global _fake_type
-    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
-        return t.device.type == "meta"
-    if _fake_type is None:
-        from torch._subclasses.fake_tensor import FakeTensor
-        _fake_type = FakeTensor
-    return isinstance(t, _fake_type) or t.device.type == "meta"
 
 
 # -- argument mapping -----------------------------------------------------------------------
@@ -326,7 +254,7 @@ def _check_call(spec: _Spec, args: tuple, kwargs: dict) -> None:
         q, cu = kw["q"], kw["cu_seqlens_q"]
         host_only = not st.check_device_values
         if not host_only and isinstance(q, torch.Tensor):
-            if _is_fake(q) or (isinstance(cu, torch.Tensor) and _is_fake(cu)):
+            if is_fake(q) or (isinstance(cu, torch.Tensor) and is_fake(cu)):
                 host_only = True
             elif q.is_cuda and torch.cuda.is_current_stream_capturing():
                 host_only = True  # a device-to-host copy would break (or invalidate) the capture
@@ -494,9 +422,9 @@ def install(mode: str = "raise", dump_dir: str | None = None, check_device_value
                         (str(dump_dir) if dump_dir else None), bool(check_device_values),
                         int(max_dumps), int(dump_max_bytes))
         if watch:
-            _hook.watch(_on_import, tuple(t.module for t in _TARGETS))
+            _guard_watch.watch(_on_import, tuple(t.module for t in _TARGETS))
         else:
-            _hook.unwatch()
+            _guard_watch.unwatch()
         _patch_available()
         return status()
 
@@ -506,7 +434,7 @@ def uninstall() -> dict:
     since) and stop watching imports. Returns what was restored and what was left alone."""
     global _STATE
     with _LOCK:
-        _hook.unwatch()
+        _guard_watch.unwatch()
         restored, left = [], []
         for namespace, key, original, wrapper, where in reversed(_PATCHES):
             if namespace.get(key, _MISSING) is wrapper:
@@ -556,7 +484,7 @@ def status() -> dict:
     return {"installed": st is not None, "mode": st.mode if st else None,
             "dump_dir": st.dump_dir if st else None,
             "check_device_values": st.check_device_values if st else None,
-            "watching_imports": _hook.watching(),
+            "watching_imports": _guard_watch.watching(),
             "entry_points": sorted(done), "swept_references": sorted(set(patched) - targets),
             "waiting_for_import": sorted(t.qualname for t in _TARGETS
                                          if t.qualname not in done and t.module not in sys.modules),

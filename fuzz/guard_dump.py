@@ -92,9 +92,9 @@ def write_dump(dump_dir: str | os.PathLike, target: str, arguments: dict, check_
         by_id[id(t)] = key
         meta = {"shape": list(t.shape), "stride": list(t.stride()), "storage_offset": t.storage_offset(),
                 "dtype": str(t.dtype).removeprefix("torch."), "device": str(t.device), "saved": False}
-        from fuzz.guard import _is_fake
+        from engine.attention.fa_contract import is_fake
 
-        keep = values and not _is_fake(t) and not t.is_complex()
+        keep = values and not is_fake(t) and not t.is_complex()
         if keep and t.is_floating_point():
             nbytes = t.numel() * t.element_size()
             keep = nbytes <= budget[0]
@@ -293,7 +293,7 @@ def load_dump(path: str | os.PathLike) -> Dump:
                 raise DumpError(f"{p / CALL_JSON}: check {name!r} refers to unknown argument {e['arg']!r}")
             entry = rec["arguments"][e["arg"]]
         # q/k/v are only looked at for shape/dtype/stride: rebuild them as meta, as
-        # fuzz.properties does for recorded calls.
+        # FACallRecord.varlen_args does for recorded calls.
         check[name] = dec(entry, f"check {name!r}", meta_qkv=name in _QKV)
         if isinstance(entry, dict) and "tensor" in entry:
             devices[name] = rec["tensors"][entry["tensor"]].get("device", "meta")
@@ -310,8 +310,7 @@ def recheck(dump: Dump):
     so device agreement is checked afterwards from the recorded devices."""
     import torch
 
-    from fuzz.guard import check_varlen_shapes
-    from fuzz.invariants import FAInvariantError, check_varlen_args
+    from engine.attention.fa_contract import FAInvariantError, check_varlen_args, check_varlen_shapes
 
     kw = dict(dump.check_kwargs)
     values_missing = any(isinstance(v, torch.Tensor) and v.device.type == "meta"

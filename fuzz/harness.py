@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -20,14 +21,22 @@ from engine.llm_engine import EngineInvariantError, LLMEngine, Trace
 from engine.schedule import Schedule
 from fuzz.case import Case, Workload, reference_config
 from fuzz.invariants import FAInvariantError
-from fuzz.properties import (CrashViolation, EngineViolation, FAViolation, LivenessViolation, LogitsReport,
-                             check_fa_records, check_logits)
+from fuzz.oracles import ORACLES, hf
+from fuzz.oracles.solo import SoloOracle
+from fuzz.properties import (CrashViolation, EngineViolation, FAViolation, LivenessViolation, LogitsMismatch,
+                             LogitsReport, Violation, check_determinism, check_fa_records, check_logits)
+from fuzz.tolerance import Tolerance, is_half
+
+# Share of the harness's time the transformers oracle may take on passing Cases.
+TRANSFORMERS_SHARE = 0.25
+DETERMINISM_ONE_IN = 20  # Cases, chosen by hash, that run twice (CPU)
 
 
 @dataclass(slots=True)
 class Verdict:
     case: Case
-    logits: LogitsReport
+    logits: LogitsReport  # the comparison with the largest error/tolerance
+    oracles: dict  # oracle name -> LogitsReport, or True for determinism
     fa_calls_checked: int
     num_steps: int
     num_preemptions: int
@@ -153,8 +162,13 @@ def drive(engine: LLMEngine, case: Case, schedule: Schedule, faults: tuple[str, 
 REFERENCE_CACHE_SIZE = 64
 
 
+def sampled_for_determinism(case: Case) -> bool:
+    """About one Case in DETERMINISM_ONE_IN, fixed by its content (never by chance)."""
+    return hashlib.sha256(case.key().encode()).digest()[0] % DETERMINISM_ONE_IN == 0
+
+
 class Harness:
-    def __init__(self, pool_capacity: int = 16) -> None:
+    def __init__(self, pool_capacity: int = 16, oracles: frozenset[str] = frozenset()) -> None:
         import torch
 
         # CPU GEMMs round differently per thread count: one compute thread makes verdicts
@@ -163,12 +177,22 @@ class Harness:
         self.pool = EnginePool(pool_capacity)
         self.ref_cache: OrderedDict[str, Trace] = OrderedDict()
         self.engine_seconds = 0.0
+        self.check_seconds = 0.0
+        self.always = frozenset(oracles)  # oracles asked for on every Case (--oracle)
+        unknown = self.always - set(ORACLES)
+        if unknown:
+            raise ValueError(f"oracle: unknown oracle {sorted(unknown)[0]!r}")
+        if "transformers" in self.always and not hf.available():
+            raise ValueError("oracle: transformers is not installed (pip install transformers)")
+        self.solo = SoloOracle()
+        self.transformers = hf.TransformersOracle() if hf.available() else None
 
     def reference(self, case: Case) -> Trace:
         cfg = reference_config(case.config)
-        key = repr(cfg.to_dict()) + Case(cfg, case.workload).to_json()
+        # A bug everywhere is in the reference run too (and changes it: part of the key).
+        ref_case = Case(cfg, case.workload, faults=case.faults if case.fault_scope == "everywhere" else ())
+        key = repr(cfg.to_dict()) + ref_case.to_json()
         if key not in self.ref_cache:
-            ref_case = Case(cfg, case.workload)
             trace = self._run(ref_case, None)
             # Only the reference's tokens and logits are compared against. Its FA records
             # (hundreds per Case, each holding small tensors) made this cache the largest
@@ -210,16 +234,70 @@ class Harness:
         return self._run(case, ref.output_token_ids())
 
     def check(self, case: Case) -> Verdict:
-        """Run `case` and its reference; raise the first Violation, else return a Verdict."""
+        """Run `case`, its reference and its oracles; raise the first Violation, else
+        return a Verdict. Checks run cheapest first: FA invariants, reference, solo,
+        transformers, determinism."""
         case.validate()
         t0 = time.perf_counter()
         e0 = self.engine_seconds
-        ref = self.reference(case)
-        test = self._run(case, ref.output_token_ids())
-        n_fa = check_fa_records(case, test.fa_records)
-        logits = check_logits(case, ref, test)
-        return Verdict(case, logits, n_fa, test.num_steps, test.num_preemptions, test.max_in_flight,
+        try:
+            ref = self.reference(case)
+            forced = ref.output_token_ids()
+            test = self._run(case, forced)
+            n_fa = check_fa_records(case, test.fa_records)
+            reports = self._compare(case, ref, test, forced)
+            if case.config.device == "cpu" and ("determinism" in self.always or sampled_for_determinism(case)):
+                check_determinism(case, test, self._run(case, forced))
+                reports["determinism"] = True
+        finally:
+            self.check_seconds += time.perf_counter() - t0
+        worst = max((r for r in reports.values() if isinstance(r, LogitsReport)), key=lambda r: r.ratio)
+        return Verdict(case, worst, reports, n_fa, test.num_steps, test.num_preemptions, test.max_in_flight,
                        time.perf_counter() - t0, self.engine_seconds - e0)
+
+    def _compare(self, case: Case, ref: Trace, test: Trace, forced: dict) -> dict:
+        """The logits comparisons: reference, solo, then transformers when it is due. A
+        failing comparison asks transformers for a second opinion, kept on the Violation."""
+        cfg, ref_cfg = case.config, reference_config(case.config)
+        solo32 = self.solo.trace(ref_cfg, case.workload, forced)
+        noise = None
+        if is_half(cfg.dtype):  # the baseline: plain arithmetic in the test dtype
+            noise = Tolerance.measure(self.solo.trace(cfg, case.workload, forced), solo32)
+        tol = Tolerance(cfg.dtype, cfg.hidden_size, noise)
+        reports = {}
+        try:
+            reports["reference"] = check_logits(case, ref, test, tol, "reference")
+            reports["solo"] = check_logits(case, solo32, test, tol, "solo")
+        except LogitsMismatch as v:
+            v.second_opinion = self._second_opinion(case, test, forced, tol)
+            raise
+        if self._transformers_due():
+            tf = self.transformers.trace(ref_cfg, case.workload, forced)
+            reports["transformers"] = check_logits(case, tf, test, tol, "transformers")
+        return reports
+
+    def _transformers_due(self) -> bool:
+        if self.transformers is None:
+            return False
+        return "transformers" in self.always or \
+            self.transformers.seconds <= TRANSFORMERS_SHARE * self.check_seconds
+
+    def _second_opinion(self, case: Case, test: Trace, forced: dict, tol: Tolerance) -> str | None:
+        if self.transformers is None:
+            return None
+        tf = self.transformers.trace(reference_config(case.config), case.workload, forced)
+        try:
+            r = check_logits(case, tf, test, tol, "transformers")
+        except Violation as w:
+            return f"transformers also fails: {w.message}"
+        return f"transformers passes (error/tolerance {r.ratio:.3g})"
+
+    def clear_caches(self) -> None:
+        """Forget cached references and oracle results (each bounded; tests measure memory)."""
+        self.ref_cache.clear()
+        for oracle in (self.solo, self.transformers):
+            if oracle is not None:
+                oracle.results.clear()
 
     def close(self) -> None:
         self.pool.close()

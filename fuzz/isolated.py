@@ -46,7 +46,8 @@ class IsolatedHarness:
     """The Harness API (`check`, `close`) with the work done in a replaceable child."""
 
     def __init__(self, startup_timeout_s: float = 300.0, child: tuple[str, ...] = ("-m", "fuzz.isolated"),
-                 pool_capacity: int = 16) -> None:
+                 pool_capacity: int = 16, oracles: frozenset[str] = frozenset()) -> None:
+        self.oracles = frozenset(oracles)  # of the child's Harness
         self.child = child  # the interpreter's arguments that run `main` (tests wrap it)
         self.pool_capacity = pool_capacity  # of the child's Harness
         self.proc: subprocess.Popen | None = None
@@ -59,6 +60,7 @@ class IsolatedHarness:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
         env["LLMFUZZ_POOL_CAPACITY"] = str(self.pool_capacity)
+        env["LLMFUZZ_ORACLES"] = ",".join(sorted(self.oracles))
         self.proc = subprocess.Popen([sys.executable, *self.child], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env, start_new_session=True)
         self.starts += 1
@@ -91,10 +93,13 @@ class IsolatedHarness:
             if reply.get("fatal"):
                 self.fatal_errors += 1
                 self._stop(proc)
-            raise _violation_class(v["property"])(v["message"], case, v.get("error_ratio"))
+            e = _violation_class(v["property"])(v["message"], case, v.get("error_ratio"), v.get("oracle"))
+            e.second_opinion = v.get("second_opinion")
+            raise e
         ok = reply["ok"]
-        return Verdict(case, LogitsReport(ok["max_error"], ok["tolerance"], ok["positions"]), ok["fa_calls"],
-                       ok["steps"], ok["preemptions"], ok["max_in_flight"], ok["seconds"], ok["engine_seconds"])
+        worst = LogitsReport(ok["oracle"], ok["max_error"], ok["tolerance"], ok["positions"])
+        return Verdict(case, worst, {ok["oracle"]: worst}, ok["fa_calls"], ok["steps"], ok["preemptions"],
+                       ok["max_in_flight"], ok["seconds"], ok["engine_seconds"])
 
     def _read_reply(self, proc: subprocess.Popen, timeout_s: float) -> dict | None:
         sel = selectors.DefaultSelector()
@@ -133,13 +138,14 @@ class IsolatedHarness:
             self._stop(self.proc)
 
 
-def make_harness(device: str, isolate: str = "auto", pool_capacity: int = 16):
+def make_harness(device: str, isolate: str = "auto", pool_capacity: int = 16,
+                 oracles: frozenset[str] = frozenset()):
     """The harness a command uses: isolated in a child process on CUDA (or when asked)."""
     from fuzz.harness import Harness
 
     if isolate == "on" or (isolate == "auto" and device.startswith("cuda")):
-        return IsolatedHarness(pool_capacity=pool_capacity)
-    return Harness(pool_capacity)
+        return IsolatedHarness(pool_capacity=pool_capacity, oracles=oracles)
+    return Harness(pool_capacity, oracles)
 
 
 def main() -> None:
@@ -149,7 +155,10 @@ def main() -> None:
     os.dup2(2, 1)  # stray prints go to stderr, not into the protocol
     from fuzz.harness import Harness
 
-    harness = Harness(int(os.environ.get("LLMFUZZ_POOL_CAPACITY", "16")))
+    from fuzz.oracles import parse_oracles
+
+    harness = Harness(int(os.environ.get("LLMFUZZ_POOL_CAPACITY", "16")),
+                      parse_oracles(os.environ.get("LLMFUZZ_ORACLES")))
     try:
         for line in sys.stdin:
             case = Case.from_dict(json.loads(line)["case"])
@@ -157,7 +166,7 @@ def main() -> None:
             fatal = False
             try:
                 v = harness.check(case)
-                reply = {"ok": {"max_error": v.logits.max_error, "tolerance": v.logits.tolerance,
+                reply = {"ok": {"oracle": v.logits.oracle, "max_error": v.logits.max_error, "tolerance": v.logits.tolerance,
                                 "positions": v.logits.positions, "fa_calls": v.fa_calls_checked,
                                 "steps": v.num_steps, "preemptions": v.num_preemptions,
                                 "max_in_flight": v.max_in_flight, "seconds": time.perf_counter() - t0,
@@ -165,7 +174,8 @@ def main() -> None:
             except Violation as e:
                 fatal = is_fatal(e.message)
                 reply = {"violation": {"property": e.property, "message": e.message,
-                                       "error_ratio": e.error_ratio}, "fatal": fatal}
+                                       "error_ratio": e.error_ratio, "oracle": e.oracle,
+                                       "second_opinion": e.second_opinion}, "fatal": fatal}
             out.write(json.dumps(reply) + "\n")
             out.flush()
             if fatal:

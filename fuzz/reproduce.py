@@ -33,9 +33,11 @@ def case_id(case: Case) -> str:
 
 
 def write_reproducer(out_dir: str, case: Case, prop: str, message: str,
-                     error_ratio: float | None = None) -> str:
+                     error_ratio: float | None = None, oracle: str | None = None,
+                     second_opinion: str | None = None) -> str:
     """Write atomically (temp file + fsync + rename): a kill mid-write never leaves a
-    truncated reproducer behind."""
+    truncated reproducer behind. `oracle` names what the failing run was compared against;
+    `second_opinion` is the transformers oracle's verdict on the same Case."""
     import torch
 
     d = os.path.join(out_dir, prop)
@@ -45,7 +47,7 @@ def write_reproducer(out_dir: str, case: Case, prop: str, message: str,
     doc = {
         "format": REPRO_FORMAT, "llmfuzz_version": LLMFUZZ_VERSION, "torch_version": torch.__version__,
         "device": case.config.device, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "property": prop, "message": message,
+        "property": prop, "message": message, "oracle": oracle, "second_opinion": second_opinion,
         "error_ratio": ratio if ratio is None or ratio != float("inf") else "inf",
         "case": case.to_dict(),
     }
@@ -105,7 +107,10 @@ def replay_report(repro: Reproducer, violation: Exception | None) -> str:
                   f"(recorded: {repro.property}: {repro.message})"]
     else:
         prop = getattr(violation, "property", type(violation).__name__)
-        lines += [f"What was violated: {prop}: {violation}"]
+        oracle = getattr(violation, "oracle", None)
+        lines += [f"What was violated: {prop}" + (f" (against {oracle})" if oracle else "") + f": {violation}"]
+        if getattr(violation, "second_opinion", None):
+            lines += [f"Second opinion: {violation.second_opinion}"]
     lines += [f"Reproduce with: llmfuzz replay {p}   (or: python reproducers/replay.py {p})",
               f"Minimize with: llmfuzz minimize {p}"]
     return "\n".join(lines)

@@ -31,20 +31,27 @@ class FaultResult:
     reproducer: str | None
     total_seconds: float  # including shrinking
     interrupted: bool = False  # SIGINT/SIGTERM stopped this fault's campaign (and the selftest)
+    oracle: str | None = None  # what the failing run was compared against (None: a check of the run alone)
+    second_opinion: str | None = None  # the transformers oracle on the same Case
 
 
 def run_selftest(faults: list[str] | None = None, budget_per_fault: float = 60.0, out_dir: str = "reproducers/faults",
                  seed: int = 0, progress: bool = True, base=FUZZ_MODEL, isolate: str = "auto",
-                 shrink_grace_s: float | None = None) -> list[FaultResult]:
+                 shrink_grace_s: float | None = None, everywhere: bool = False,
+                 oracles: frozenset[str] = frozenset()) -> list[FaultResult]:
+    """With `everywhere`, each fault is on in every run the harness makes (reference
+    included), as a real bug in shared code would be: only the oracles that do not share
+    the faulty code (solo, transformers) and the run-alone checks can then see it."""
     names = faults or list(FAULTS)
     # Engines are shared across faults: reset switches faults per Case.
-    harness = make_harness(base.device, isolate, pool_capacity_for(len(CAMPAIGN_ORDER), 2))
+    harness = make_harness(base.device, isolate, pool_capacity_for(len(CAMPAIGN_ORDER), 2), oracles)
     results = []
     try:
         for name in names:
             camp = Campaign(layouts=CAMPAIGN_ORDER, modes=("eager", "graph"), faults=(name,), seed=seed,
                             out_dir=out_dir, budget_s=budget_per_fault, chunk=3, stop_on_failure=True,
-                            progress=progress, base=base, harness=harness, shrink_grace_s=shrink_grace_s)
+                            progress=progress, base=base, harness=harness, shrink_grace_s=shrink_grace_s,
+                            fault_scope="everywhere" if everywhere else "test")
             s = camp.run()
             if s.failures:
                 f = s.failures[0]
@@ -52,7 +59,7 @@ def run_selftest(faults: list[str] | None = None, budget_per_fault: float = 60.0
                 results.append(FaultResult(
                     name, True, round(s.first_failure_s, 2), s.first_failure_examples, f.property,
                     len(case.workload.requests), case.workload.num_prompt_tokens, case.layout, case.mode,
-                    f.path, round(s.seconds, 2)))
+                    f.path, round(s.seconds, 2), oracle=f.oracle, second_opinion=f.second_opinion))
             else:
                 results.append(FaultResult(name, False, None, None, None, None, None, None, None, None,
                                            round(s.seconds, 2)))
@@ -71,13 +78,14 @@ def summary_json(results: list[FaultResult]) -> dict:
 
 
 def table(results: list[FaultResult]) -> str:
-    rows = [f"{'fault':<30}{'found':>6}{'secs':>7}{'ex':>5}  {'property':<18}{'reqs':>5}{'toks':>5}  layout/mode"]
+    rows = [f"{'fault':<30}{'found':>6}{'secs':>7}{'ex':>5}  {'property':<18}{'oracle':<13}{'reqs':>5}{'toks':>5}"
+            f"  layout/mode"]
     for r in results:
         if r.interrupted and not r.detected:
             rows.append(f"{r.name:<30}{'-':>6}{'-':>7}{'-':>5}  (interrupted after {r.total_seconds:.0f}s)")
         elif r.detected:
             rows.append(f"{r.name:<30}{'yes':>6}{r.seconds:>7.1f}{r.examples:>5}  {r.property:<18}"
-                        f"{r.requests:>5}{r.tokens:>5}  {r.layout}/{r.mode}")
+                        f"{r.oracle or '-':<13}{r.requests:>5}{r.tokens:>5}  {r.layout}/{r.mode}")
         else:
             rows.append(f"{r.name:<30}{'NO':>6}{'-':>7}{'-':>5}  (not detected in {r.total_seconds:.0f}s)")
     return "\n".join(rows)

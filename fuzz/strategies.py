@@ -74,7 +74,8 @@ def schedules(draw) -> Schedule:
     A non-default schedule exists to open race windows, and a host-side race needs both a
     copy still in flight and host work done meanwhile: so its copies are always delayed and
     the host usually runs ahead. (Drawing each at random from 0 up made both non-zero in one
-    draw in four, and the staging-buffer race of field note 2 rare.)"""
+    draw in four, and the staging-buffer race of docs/bug_classes.md#pp_shared_staging_buffer
+    rare.)"""
     if not draw(st.booleans()):
         return Schedule()
     return Schedule(seed=draw(st.integers(0, 2 ** 16)),

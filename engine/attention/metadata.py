@@ -2,7 +2,8 @@
 
 The metadata pairs device tensors (views of the runner's persistent buffers) with host
 scalars computed from the same step. Keeping the two in step is exactly what the field bugs
-break (field notes 1, 2, 12), so every attention call can leave an `FACallRecord` that
+break (docs/bug_classes.md#graph_stale_max_seqlen, #pp_shared_staging_buffer,
+#capture_metadata_baked), so every attention call can leave an `FACallRecord` that
 snapshots what the kernel was handed.
 """
 from __future__ import annotations
@@ -11,7 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-import engine.custom_ops  # noqa: F401  (registers torch.ops.llmfuzz.*)
+# Also registers torch.ops.llmfuzz.* (AttentionContext calls them). FACallRecord is
+# defined there, beside the op that records it, so that module needs nothing of this one.
+from engine.custom_ops import FACallRecord  # noqa: F401  (re-exported)
 
 
 @dataclass(slots=True)
@@ -27,32 +30,6 @@ class CommonAttentionMetadata:
     max_query_len: int
     max_seq_len: int
     causal: bool = True
-
-
-@dataclass(slots=True)
-class FACallRecord:
-    """One attention call as the kernel saw it (cheap: int tensors are small clones)."""
-
-    rank: int
-    layer: int
-    microbatch: int
-    graph: bool  # replayed from a captured graph
-    q_shape: tuple[int, ...]
-    q_stride: tuple[int, ...]
-    kv_shape: tuple[int, ...]
-    kv_stride: tuple[int, ...]
-    dtype: str
-    device: str
-    max_seqlen_q: int
-    max_seqlen_k: int
-    num_reqs: int
-    num_actual_tokens: int
-    cu_seqlens_q: torch.Tensor
-    seqused_k: torch.Tensor
-    block_table: torch.Tensor
-    slot_mapping: torch.Tensor
-    causal: bool = True
-    backend: str = "reference"  # the kernel's dtype rules apply to real FA backends only
 
 
 class AttentionMetadataBuilder:

@@ -15,7 +15,7 @@ Properties (each a `fuzz.properties.Violation`, so shrinking and reproducers wor
   every prompt logprob (vLLM's `prompt_logprobs`, asked for unless prefix caching is on)
   within `lp_tol`. On when `transformers` imports (`VLLMChecker(transformers=...)`).
 
-Tolerance: `logprob_tolerance(cfg, absmax)` = 4 x `fuzz.properties.logits_tolerance` (the
+Tolerance: `logprob_tolerance(cfg, absmax)` = 4 x `fuzz.tolerance.logits_tolerance` (the
 dtype-derived logits bound; a logprob is a logit minus a logsumexp, so its error is at
 most about twice the logits error, and a factor 2 more covers vLLM's different GEMM and
 attention kernels). For the default fp32 model that is ~4e-4 nats; the differences
@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from fuzz.case import Case, RequestSpec, Workload
-from fuzz.properties import Violation, logits_tolerance
+from fuzz.properties import Violation
+from fuzz.tolerance import logits_tolerance
 from fuzz.targets import (CompareReport, ReferenceTarget, RequestResult, RunMismatch, TargetFailure, TargetRun,
                           TargetUnavailable, TeacherForcedReport, TransformersOracle, check_greedy,
                           check_teacher_forced, compare_runs, request_items)

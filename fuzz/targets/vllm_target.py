@@ -443,6 +443,3 @@ class VLLMTarget:
                 tuple(r["token_ids"]), tuple(tuple((int(t), float(lp)) for t, lp in pos) for pos in r["logprobs"]),
                 tuple(tuple((int(t), float(lp)) for t, lp in pos) for pos in r.get("prompt_logprobs") or ()))
         return TargetRun(results, float(reply["seconds"]), int(reply["steps"]))
-
-    def stats_json(self) -> dict:
-        return {cell: asdict(s) for cell, s in self.stats.items()}

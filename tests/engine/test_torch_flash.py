@@ -42,7 +42,8 @@ def test_torch_flash_matches_reference():
 
 
 def test_understated_max_seqlen_q_drops_whole_row_tiles():
-    """FIELD_NOTES 1 on the real kernel: max_seqlen_q=200 for a 300-row query."""
+    """docs/bug_classes.md#graph_stale_max_seqlen on the real kernel: max_seqlen_q=200 for a
+    300-row query."""
     q, kc, vc, cu, sl, bt = paged_batch([300], [300], seed=1)
     good = torch_flash_varlen(q, kc, vc, cu, 300, sl, 300, bt, 64 ** -0.5)
     bad = torch_flash_varlen(q, kc, vc, cu, 200, sl, 300, bt, 64 ** -0.5)

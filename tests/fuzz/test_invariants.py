@@ -227,7 +227,7 @@ def test_cu_seqlens_k_past_k_rows():
     expect(args, "cu_seqlens_k", 3, k=args["k"][:14], v=args["v"][:14])
 
 
-# --- field note 2: two in-flight microbatches mixing metadata ----------------------------
+# --- docs/bug_classes.md#pp_shared_staging_buffer: two in-flight microbatches mixing metadata
 
 def test_field_note_rank6_stale_tail():
     args = make_batch([(1479, 1479), (2521, 2521)], pad_reqs=6, paged=False)
@@ -282,7 +282,8 @@ def test_rows_dropped_by_tile():
     assert check_varlen_args(**args, tile_q=128).rows_dropped == 0
     args = make_batch([(300, 300), (290, 290), (100, 100)], paged=False)
     assert expect(args, "max_seqlen_q", 0, max_seqlen_q=200, tile_q=128).report.rows_dropped == 44 + 34
-    # DESIGN.md: 16 vs 56 rows drops no whole tile, but the understatement is still an error.
+    # docs/bug_classes.md#graph_stale_max_seqlen: 16 vs 56 rows drops no whole tile, but the
+    # understatement is still an error.
     args = make_batch([(56, 56)], paged=False)
     assert expect(args, "max_seqlen_q", 0, max_seqlen_q=16, tile_q=128).report.rows_dropped == 0
     expect(args, "tile_q", None, tile_q=0)

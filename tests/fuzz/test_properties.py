@@ -189,3 +189,27 @@ def test_verdict_does_not_depend_on_earlier_cases(fault: str, case: Case, expect
         h.check(clean)  # after a faulty Case
     finally:
         h.close()
+
+
+def test_fa_records_checked_in_every_layer() -> None:
+    """A bad max_seqlen_q in layer 5 is reported although layers 0-4, which share its metadata
+    snapshot, are fine: every recorded call is checked, not one per snapshot."""
+    from engine.attention.metadata import FACallRecord
+    from fuzz.properties import check_fa_records
+
+    # Two requests, paged (block_size 4): 3 queries over 5 keys, then a decode over 6 keys.
+    snapshot = dict(cu_seqlens_q=torch.tensor([0, 3, 4], dtype=torch.int32),
+                    seqused_k=torch.tensor([5, 6], dtype=torch.int32),
+                    block_table=torch.tensor([[1, 2], [3, 4]], dtype=torch.int32),
+                    slot_mapping=torch.tensor([6, 7, 8, 17], dtype=torch.int64))
+
+    def record(layer: int, max_seqlen_q: int = 3) -> FACallRecord:
+        return FACallRecord(rank=0, layer=layer, microbatch=0, graph=False, q_shape=(4, 4, 16),
+                            q_stride=(64, 16, 1), kv_shape=(8, 4, 2, 16), kv_stride=(128, 32, 16, 1),
+                            dtype="float32", device="cpu", max_seqlen_q=max_seqlen_q, max_seqlen_k=6,
+                            num_reqs=2, num_actual_tokens=4, **snapshot)
+
+    assert check_fa_records(None, [record(layer) for layer in range(8)]) == 8
+    records = [record(layer, max_seqlen_q=0 if layer == 5 else 3) for layer in range(8)]
+    with pytest.raises(FAViolation, match=r"^rank 0 layer 5 microbatch 0: max_seqlen_q=0 < query length 3"):
+        check_fa_records(None, records)

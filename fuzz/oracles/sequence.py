@@ -1,0 +1,84 @@
+"""Oracles that recompute each request alone, as one causal forward over its whole sequence.
+
+The engine produces a request's logits step by step: prefill chunks, decodes through the
+paged KV cache, batched with other requests, possibly preempted, speculated and reordered.
+A sequence oracle takes all of that off the path: it feeds the prompt and the tokens the
+runs were teacher-forced with (prompt + forced[:-1]) in one causal forward and reads the
+logits row of every generated position. Results are cached per (model, prompt, tokens):
+shrinking and Hypothesis's mutations re-run the same requests many times.
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+import torch
+
+from engine.config import EngineConfig
+from engine.llm_engine import TokenRecord, Trace
+
+# The config fields that decide a model's weights and arithmetic (not its layout).
+MODEL_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "intermediate_size", "rope_theta", "rms_norm_eps",
+                "dtype", "weights_dtype", "device", "model_path", "seed")
+
+
+def model_key(cfg: EngineConfig) -> tuple:
+    return tuple(getattr(cfg, f) for f in MODEL_FIELDS)
+
+
+class SequenceOracle:
+    """Base: a subclass builds a model for a config and maps token ids to logits rows."""
+
+    name = "sequence"
+    MODELS, RESULTS = 4, 512  # a campaign uses one or two models; results are ~a few KB
+
+    def __init__(self) -> None:
+        self.models: OrderedDict[tuple, object] = OrderedDict()
+        self.results: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+        self.seconds = 0.0  # time spent computing (cache hits cost nothing)
+
+    def build(self, cfg: EngineConfig):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def forward(self, model, cfg: EngineConfig, ids: torch.Tensor) -> torch.Tensor:  # pragma: no cover
+        """[L] token ids -> [L, vocab] float32 logits of a causal forward."""
+        raise NotImplementedError
+
+    def _model(self, cfg: EngineConfig):
+        key = model_key(cfg)
+        if key not in self.models:
+            self.models[key] = self.build(cfg)
+            while len(self.models) > self.MODELS:
+                self.models.popitem(last=False)
+        self.models.move_to_end(key)
+        return self.models[key]
+
+    def request_logits(self, cfg: EngineConfig, prompt: tuple[int, ...], forced: tuple[int, ...]) -> torch.Tensor:
+        """[len(forced), vocab]: row i is the distribution after prompt + forced[:i]."""
+        key = (model_key(cfg), prompt, forced)
+        hit = self.results.get(key)
+        if hit is not None:
+            self.results.move_to_end(key)
+            return hit
+        t0 = time.perf_counter()
+        ids = torch.tensor(list(prompt) + list(forced[:-1]), dtype=torch.int64)
+        with torch.no_grad():
+            # clone: a view would keep the prompt positions' rows alive in the cache too
+            rows = self.forward(self._model(cfg), cfg, ids)[len(prompt) - 1:].float().cpu().clone()
+        self.seconds += time.perf_counter() - t0
+        self.results[key] = rows
+        if len(self.results) > self.RESULTS:
+            self.results.popitem(last=False)
+        return rows
+
+    def trace(self, cfg: EngineConfig, workload, forced: dict[str, list[int]]) -> Trace:
+        """A Trace shaped like an engine run's (tokens only) for the same teacher forcing."""
+        out = Trace()
+        for i, r in enumerate(workload.requests):
+            rid = f"r{i}"
+            toks = tuple(forced[rid])
+            rows = self.request_logits(cfg, tuple(r.prompt_token_ids), toks)
+            argmax = rows.argmax(-1).tolist()
+            out.tokens[rid] = [TokenRecord(0, 0, rows[j], argmax[j], toks[j]) for j in range(len(toks))]
+        return out
