@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import ConfigError, EngineConfig
+from engine.faults import FaultSet
 from engine.schedule import Schedule
 from engine.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
 from engine.spec_decode import NgramProposer, verify_greedy
@@ -70,7 +71,7 @@ class LLMEngine:
         if "eagle" in (built, wanted) and (built != wanted or k_wanted > k_built):
             raise ConfigError(f"scheduler_config: speculative_method={wanted} on an engine built with {built}: "
                               f"the EAGLE head lives on the ranks, so it is chosen when the engine is built")
-        self.scheduler = Scheduler(sc)
+        self.scheduler = Scheduler(sc, FaultSet(faults))
         self.faults = tuple(faults)
         # N-gram drafting is driver-side, so the Case's config decides it, whatever the ranks
         # were built with; EAGLE drafts come from the last rank's runner (ModelRunnerOutput).
@@ -139,8 +140,7 @@ class LLMEngine:
                 self.trace.tokens[rid].append(TokenRecord(self.step_count, so.microbatch, out.logits[row + j],
                                                           argmax[j], tok))
             row += len(argmax)
-        finished = self.scheduler.update_from_output(so, tokens,
-                                                     rollback="spec_rollback_missing" not in self.faults)
+        finished = self.scheduler.update_from_output(so, tokens)
         self.take_draft_token_ids(tokens, so, out)
         self.scheduler.kv.check_accounting()
         self.trace.num_steps = self.step_count

@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
+from engine.faults import SPEC_ROLLBACK_MISSING, FaultSet
 from engine.kv_cache import KVCacheManager
 
 
@@ -84,8 +85,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig) -> None:
+    def __init__(self, cfg: EngineConfig, faults: FaultSet | None = None) -> None:
         self.cfg = cfg
+        self.faults = faults or FaultSet()
         self.kv = KVCacheManager(cfg.num_gpu_blocks, cfg.block_size)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -196,8 +198,7 @@ class Scheduler:
         self._preempted_since_last.add(req.req_id)
         self.waiting.appendleft(req)
 
-    def update_from_output(self, sched: SchedulerOutput, appended: dict[str, list[int]],
-                           rollback: bool = True) -> list[str]:
+    def update_from_output(self, sched: SchedulerOutput, appended: dict[str, list[int]]) -> list[str]:
         """Append each sampled request's verified tokens, roll back rejected drafts (their
         positions were counted as computed at schedule time), return the ids that finished."""
         finished = []
@@ -207,11 +208,7 @@ class Scheduler:
             if rid not in appended or req.status is not RequestStatus.RUNNING:
                 continue
             toks = appended[rid][:req.max_tokens - len(req.output_token_ids)]
-            drafts = sched.scheduled_spec_decode_tokens.get(rid, [])
-            if drafts and rollback:
-                # Positions computed: the last token and every draft. Valid: the last token
-                # and the accepted drafts (all appended tokens but the bonus one).
-                req.num_computed_tokens -= len(drafts) + 1 - len(appended[rid])
+            self._rollback_rejected_drafts(req, sched.scheduled_spec_decode_tokens.get(rid, []), appended[rid])
             req.output_token_ids.extend(toks)
             if req.is_finished:
                 req.status = RequestStatus.FINISHED
@@ -220,3 +217,10 @@ class Scheduler:
                 self._finished_since_last.add(rid)
                 finished.append(rid)
         return finished
+
+    def _rollback_rejected_drafts(self, req: Request, drafts: list[int], appended: list[int]) -> None:
+        """Positions computed at schedule time: the last token and every draft. Valid: the
+        last token and the accepted drafts (all appended tokens but the bonus one)."""
+        if not drafts or self.faults.on(SPEC_ROLLBACK_MISSING):
+            return
+        req.num_computed_tokens -= len(drafts) + 1 - len(appended)

@@ -1,8 +1,12 @@
 """Campaign: a time-budgeted Hypothesis run over Cases, with progress, stats and reproducers.
 
-Hypothesis runs in chunks of a few examples with fresh seeds until the budget is spent.
-A failure is shrunk by Hypothesis, written atomically as a reproducer, and the campaign
-goes on (or stops, with `stop_on_failure`, as selftest does).
+The campaign goes round the layouts, one chunk of a few examples each. `_find` runs
+Hypothesis on one chunk (a fresh seed each, or the example database in nightly mode) and
+returns the failures it found, shrunk as far as Hypothesis got; `_finish` minimizes each one
+further, writes it, records it and prints it. The campaign goes on (or stops, with
+`stop_on_failure`, as selftest does). `_persist` is the one writer of reproducers: the first
+failure of a chunk is on disk the moment it is seen, so nothing is lost if the campaign is
+killed mid-shrink, and the final version replaces it.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from hypothesis import given, seed as hseed, settings, target
+from hypothesis.database import ExampleDatabase
 
 from fuzz.harness import Harness, pool_capacity_for
 from fuzz.isolated import make_harness
@@ -108,6 +113,29 @@ def _leaves(g: BaseExceptionGroup | None) -> list:
     return out
 
 
+class CellDatabase(ExampleDatabase):
+    """The example database as one (layout, modes, faults) cell sees it. Hypothesis keys
+    saved examples by the test function, the same for every cell; here every key also
+    carries the cell's digest, so a saved failure is replayed only in its own cell, as the
+    kind of Case it was drawn as. Any database works underneath (the nightly's directory)."""
+
+    def __init__(self, db: ExampleDatabase, cell: bytes) -> None:
+        super().__init__()
+        self.db, self.prefix = db, hashlib.sha256(cell).hexdigest()[:20].encode() + b"/"
+
+    def save(self, key: bytes, value: bytes) -> None:
+        self.db.save(self.prefix + key, value)
+
+    def fetch(self, key: bytes):
+        return self.db.fetch(self.prefix + key)
+
+    def delete(self, key: bytes, value: bytes) -> None:
+        self.db.delete(self.prefix + key, value)
+
+    def move(self, src: bytes, dest: bytes, value: bytes) -> None:
+        self.db.move(self.prefix + src, self.prefix + dest, value)
+
+
 class Campaign:
     def __init__(self, *, layouts, modes=("eager",), faults=(), seed: int = 0, out_dir: str = "reproducers",
                  budget_s: float = 60.0, chunk: int = 8, stop_on_failure: bool = False,
@@ -136,13 +164,21 @@ class Campaign:
         # twice; a Case's verdict is deterministic, so a passed one is not run again. Failing
         # Cases are never skipped: Hypothesis's shrinker must see them fail.
         self._passed: set[bytes] = set()
+        # The clock, started by `run`: the budget's end, and the hard deadline a bounded grace
+        # past it, where shrinking (which may overrun the budget) stops with what it has.
+        self._grace_s = shrink_grace_s if shrink_grace_s is not None else max(60.0, 0.5 * budget_s)
+        self._t0 = self._deadline = self._hard_deadline = 0.0
+        # The failure `_find` is after: the last (smallest) version Hypothesis has shown us,
+        # and the file an unfinished failure is on disk as until `_finish` replaces it.
+        self._best: Violation | None = None
+        self._unfinished_path: str | None = None
 
     def _body(self, case) -> None:
         check_stop()
         if self.fault_scope != case.fault_scope:
             case = dataclasses.replace(case, fault_scope=self.fault_scope)
         now = time.monotonic()
-        if now > self._hard_deadline or (now > self._deadline and self._smallest is None):
+        if now > self._hard_deadline or (now > self._deadline and self._best is None):
             # Out of time: the rest of the chunk passes untested (not counted); a shrink in
             # progress stops and keeps the smallest failure seen so far.
             return
@@ -157,13 +193,69 @@ class Campaign:
             target(min(v.logits.ratio, 1e6), label="error/tolerance")
             self._passed.add(key)
         except Violation as v:
-            self._on_failure(v)
+            self._seen(v)
             raise
         finally:
             cell.examples += 1
             cell.seconds += time.perf_counter() - t0
             self.summary.examples += 1
             self._print_progress()
+
+    def _seen(self, v: Violation) -> None:
+        """Hypothesis saw `v` fail: found, or a smaller version while shrinking. The first is
+        on disk at once, before shrinking: nothing is lost if the campaign is killed mid-shrink."""
+        if self.summary.first_failure_s is None:
+            self.summary.first_failure_s = time.monotonic() - self._t0
+            self.summary.first_failure_examples = self.summary.examples + 1
+        first, self._best = self._best is None, v
+        if first:
+            self._persist(v, final=False)
+
+    def _hypothesis_test(self, layout: str, i: int):
+        """Chunk `i` on `layout` as a Hypothesis test. Nightly (`use_database` and a database
+        in the profile): random, and the example database replays the cell's saved failures
+        first. Otherwise a seed per chunk (which turns the database off): reproducible."""
+        strat = cases((layout,), self.modes, self.faults, self.base, self.max_requests)
+        # Hypothesis runs the simplest Case first in every run (one short request, tp-only
+        # options off): one extra example per chunk keeps `chunk` drawn ones. After the first
+        # rotation the simplest Case is a skipped duplicate.
+        s = settings(max_examples=self.chunk + 1)
+        db = settings.default.database
+        nightly = db is not None and self.use_database
+        if nightly:
+            s = settings(s, database=CellDatabase(db, repr((layout, self.modes, self.faults)).encode()))
+
+        def body(case):
+            return self._body(case)
+        test = s(given(strat)(body))
+        return test if nightly else hseed(self.seed * 100003 + i)(test)
+
+    def _find(self, layout: str, i: int) -> tuple[list[Violation], bool]:
+        """Run chunk `i` on `layout`: the failures found, as small as Hypothesis got them, and
+        whether a stop (SIGINT/SIGTERM) ended the chunk. When a stop, or our hard deadline
+        (late replays pass: Hypothesis calls that flaky), cuts the shrink short, the smallest
+        failure seen so far. Every exception Hypothesis raises is handled here."""
+        self._best, found, stopped = None, [], False
+        try:
+            self._hypothesis_test(layout, i)()
+        except Violation as v:
+            found = [v]
+        except KeyboardInterrupt:
+            stopped = True
+        except BaseExceptionGroup as g:  # several failures, or Hypothesis's FlakyFailure
+            vs, rest = g.split(Violation)
+            # A Ctrl-C grouped with failures still stops the run.
+            stopped = rest is not None and rest.subgroup(KeyboardInterrupt) is not None
+            if vs is None and self._best is None and not stopped:
+                raise
+            found = _leaves(vs)
+        except Exception:  # Hypothesis gave up mid-shrink: keep the smallest failure seen
+            if self._best is None:
+                raise
+        if not found and self._best is not None:
+            found = [self._best]
+        self._best = None
+        return found, stopped
 
     def _write(self, v: Violation) -> str | None:
         """Write a reproducer; when the disk is full or the directory unwritable, print the
@@ -178,15 +270,15 @@ class Campaign:
             sys.stderr.flush()
             return None
 
-    def _on_failure(self, v: Violation) -> None:
-        """A failure is on disk the moment it is seen, before shrinking: nothing is lost if
-        the campaign is killed mid-shrink. Shrunk versions replace it."""
-        if self.summary.first_failure_s is None:
-            self.summary.first_failure_s = time.monotonic() - self._t0
-            self.summary.first_failure_examples = self.summary.examples + 1
-        if self._first_path is None:
-            self._first_path = self._write(v)
-        self._smallest = v
+    def _persist(self, v: Violation, *, final: bool) -> str | None:
+        """The one writer of reproducers: write `v` atomically, then remove the file of the
+        unfinished failure it supersedes (never one already recorded). `final`: `v` is
+        finished and its file stays; otherwise the next `_persist` replaces it."""
+        path = self._write(v)
+        old, self._unfinished_path = self._unfinished_path, None if final else path
+        if old and old != path and os.path.exists(old) and all(f.path != old for f in self.summary.failures):
+            os.unlink(old)
+        return path
 
     def _print_progress(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -202,21 +294,15 @@ class Campaign:
         sys.stderr.write("\r" + line if tty else line + "\n")
         sys.stderr.flush()
 
-    def _record(self, v: Violation, minimize: bool = True) -> None:
-        """Finish a failure: simplify the layout and the rest further, write it, drop the
-        unshrunk file. An interrupt during minimizing writes the smallest case so far."""
-        interrupted = False
-        if minimize and time.monotonic() < self._hard_deadline:
-            self._min_best = v
-            try:
-                v = self._minimize(v)
-            except KeyboardInterrupt:
-                v, interrupted = self._min_best, True
+    def _finish(self, v: Violation, shrink: bool = True) -> bool:
+        """A failure found: minimize it further (unless `shrink` is off or the hard deadline
+        passed), write it once, record it in the summary, print it. True when a stop
+        (SIGINT/SIGTERM) arrived while minimizing: the smallest version so far is written."""
+        stopped = False
+        if shrink and time.monotonic() < self._hard_deadline:
+            v, stopped = self._minimize(v)
+        path = self._persist(v, final=True)
         case = v.case
-        path = self._write(v)
-        if self._first_path and self._first_path != path and os.path.exists(self._first_path):
-            os.unlink(self._first_path)
-        self._first_path, self._smallest = None, None
         if path is None or not any(f.path == path for f in self.summary.failures):
             self.summary.failures.append(Failure(v.property, v.message, case.describe(), path, v.error_ratio,
                                                  v.oracle, v.second_opinion))
@@ -224,12 +310,13 @@ class Campaign:
         if self.progress:
             by = f" (against {v.oracle})" if v.oracle else ""
             sys.stderr.write(f"\nFOUND {v.property}{by}: {v.message}\n  {case.describe()}\n  -> {path}\n")
-        if interrupted:
-            raise KeyboardInterrupt
+        return stopped
 
-    def _minimize(self, v: Violation) -> Violation:
-        """Hypothesis shrank within one layout; try simpler layouts and options too."""
-        best = {"v": v}
+    def _minimize(self, v: Violation) -> tuple[Violation, bool]:
+        """Hypothesis shrank within one layout; try simpler layouts and options too. The
+        smallest version that fails the same way (same property and oracle), and whether a
+        stop cut the search short (it keeps what it had)."""
+        best = [v]
 
         def still_fails(case) -> bool:
             check_stop()
@@ -239,78 +326,43 @@ class Campaign:
                 self.harness.check(case)
             except Violation as w:
                 if (w.property, w.oracle) == (v.property, v.oracle):
-                    best["v"] = self._min_best = w
+                    best[0] = w
                     return True
             return False
 
-        # A failure that does not happen again (a rank killed from outside, a flaky host) has
-        # no simpler version to find: one re-run instead of up to 80 passing candidates.
-        if not still_fails(v.case):
-            return v
-        minimize(v.case, still_fails, max_checks=80)
-        return best["v"]
+        try:
+            # A failure that does not happen again (a rank killed from outside, a flaky host)
+            # has no simpler version to find: one re-run instead of up to 80 passing candidates.
+            if still_fails(v.case):
+                minimize(v.case, still_fails, max_checks=80)
+        except KeyboardInterrupt:
+            return best[0], True
+        return best[0], False
 
     def run(self) -> Summary:
         self._t0 = time.monotonic()
-        deadline = self._deadline = self._t0 + self.budget_s
-        # Shrinking may run past the budget by a bounded grace, then stops with what it has.
-        grace = self.shrink_grace_s if self.shrink_grace_s is not None else max(60.0, 0.5 * self.budget_s)
-        self._hard_deadline = deadline + grace
-        self._first_path, self._smallest = None, None
-        i = 0
+        self._deadline = self._t0 + self.budget_s
+        self._hard_deadline = self._deadline + self._grace_s
         _STOP.clear()  # a stop belongs to the run it interrupted (tests call main() in-process)
         try:  # from here on, an interrupt still prints the summary and closes our harness
             sys.stderr.write(f"llmfuzz: campaign started: {len(self.layouts)} layout(s), "
                              f"modes {','.join(self.modes)}, budget {self.budget_s:.0f}s\n")
             sys.stderr.flush()
-            while time.monotonic() < deadline:
+            i = 0
+            while time.monotonic() < self._deadline:
                 check_stop()
                 # One layout per chunk, round robin: every layout gets its turn early.
-                layout = self.layouts[i % len(self.layouts)]
-                strat = cases((layout,), self.modes, self.faults, self.base, self.max_requests)
-                # Hypothesis runs the simplest Case first in every run (one short request,
-                # tp-only options off): one extra example per chunk keeps `chunk` drawn ones.
-                # After the first rotation the simplest Case is a skipped duplicate.
-                n = self.chunk + 1
-                def body(case):
-                    return self._body(case)
-                if settings.default.database is not None and self.use_database:
-                    # Nightly: random, and the example database replays earlier failures first.
-                    # One database key per layout/modes/faults, so a saved example is only ever
-                    # replayed as the kind of Case it was drawn as.
-                    body._hypothesis_internal_add_digest = repr((layout, self.modes, self.faults)).encode()
-                    test = settings(max_examples=n)(given(strat)(body))
-                else:
-                    # Reproducible campaigns: a seed per chunk (which turns the database off).
-                    test = hseed(self.seed * 100003 + i)(settings(max_examples=n)(given(strat)(body)))
+                found, stopped = self._find(self.layouts[i % len(self.layouts)], i)
                 i += 1
-                try:
-                    test()
-                except Violation as v:
-                    self._record(v)
-                except BaseExceptionGroup as g:  # several failures, or Hypothesis's FlakyFailure
-                    vs, rest = g.split(Violation)
-                    if vs is None and rest is not None:
-                        raise
-                    for v in _leaves(vs):
-                        self._record(v)
-                    self._smallest = None
-                    if rest is not None and rest.subgroup(KeyboardInterrupt) is not None:
-                        raise KeyboardInterrupt  # a Ctrl-C grouped with failures still stops the run
-                except Exception:
-                    # Hypothesis gave up mid-shrink (our time limit makes late replays pass,
-                    # which it calls flaky): keep the smallest failure seen.
-                    if self._smallest is None:
-                        raise
-                    self._record(self._smallest)
-                if self._smallest is not None:
-                    self._record(self._smallest)
+                for v in found:  # after a stop, the rest are written as they are
+                    stopped = self._finish(v, shrink=not stopped) or stopped
+                if stopped:
+                    self.summary.interrupted = True
+                    break
                 if self.stop_on_failure and self.summary.failures:
                     break
         except KeyboardInterrupt:
             self.summary.interrupted = True
-            if self._smallest is not None:
-                self._record(self._smallest, minimize=False)
         finally:
             self.summary.seconds = time.monotonic() - self._t0
             self._print_progress(force=True)

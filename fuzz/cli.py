@@ -218,11 +218,16 @@ def cmd_minimize(args) -> int:
 def cmd_faults(args) -> int:
     from engine.faults import FAULTS
 
+    # Where each fault lives in the engine, when the registry says (only then is it shown).
+    where = {n: getattr(f, "where", "") for n, f in FAULTS.items()}
     if args.json:
-        print(json.dumps({n: {"doc": f.doc, "needs": f.needs} for n, f in FAULTS.items()}, indent=1))
+        print(json.dumps({n: {"doc": f.doc, "needs": f.needs, **({"where": where[n]} if where[n] else {})}
+                          for n, f in FAULTS.items()}, indent=1))
         return EXIT_OK
     for name, f in FAULTS.items():
         print(f"{name}\n    {f.doc}\n    needs: {f.needs or '-'}")
+        if where[name]:
+            print(f"    where: {where[name]}")
     return EXIT_OK
 
 
@@ -274,10 +279,32 @@ def cmd_generate(args) -> int:
     return EXIT_OK
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="llmfuzz", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="fuzz for a time budget")
+def _option_parents() -> dict[str, argparse.ArgumentParser]:
+    """Options several commands share, each declared once (argparse parent parsers):
+    `isolate` (run, replay, minimize, selftest), `engine` (run, selftest: the model's device,
+    world, dtype and attention backend), `fuzz_oracles` (run, selftest: oracles on every Case),
+    `check_oracles` (replay, minimize: oracles a reproducer is checked with)."""
+    isolate = argparse.ArgumentParser(add_help=False)
+    isolate.add_argument("--isolate", default="auto", choices=("auto", "on", "off"),
+                         help="run Cases in a worker process that is replaced after a fatal error "
+                              "(auto: on for CUDA devices)")
+    engine = argparse.ArgumentParser(add_help=False)
+    engine.add_argument("--device", default="cpu")
+    engine.add_argument("--world", default="inproc", choices=("inproc", "torch"))
+    engine.add_argument("--dtype", default="float32", help="model dtype: float32 (default), bfloat16, float16")
+    engine.add_argument("--attention-backend", default="reference",
+                        help="reference (default), torch_flash (PyTorch's FlashAttention-2 kernel, CUDA), flash_attn")
+    fuzz_oracles = argparse.ArgumentParser(add_help=False)
+    fuzz_oracles.add_argument("--oracle", default=None,
+                              help="oracles that check every Case: reference, solo, transformers, determinism, all "
+                                   "(default: reference and solo always, transformers and determinism sampled)")
+    check_oracles = argparse.ArgumentParser(add_help=False)
+    check_oracles.add_argument("--oracle", default=None, help="oracles to check (default: all)")
+    return {"isolate": isolate, "engine": engine, "fuzz_oracles": fuzz_oracles, "check_oracles": check_oracles}
+
+
+def _add_run_parser(sub, parents: list[argparse.ArgumentParser]) -> None:
+    r = sub.add_parser("run", help="fuzz for a time budget", parents=parents)
     r.add_argument("--budget", type=float, default=60.0, help="seconds (default 60)")
     r.add_argument("--layouts", default="", help="comma list, e.g. tp1pp1,tp2pp4,pp8 (default: all)")
     r.add_argument("--modes", default="eager,graph", help="comma list of modes (default eager,graph)")
@@ -287,46 +314,37 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--out", default=None, help="reproducer directory (default reproducers/; reproducers/vllm "
                    "with --target vllm)")
-    r.add_argument("--device", default="cpu")
-    r.add_argument("--world", default="inproc", choices=("inproc", "torch"))
-    r.add_argument("--dtype", default="float32", help="model dtype: float32 (default), bfloat16, float16")
-    r.add_argument("--attention-backend", default="reference",
-                   help="reference (default), torch_flash (PyTorch's FlashAttention-2 kernel, CUDA), flash_attn")
-    r.add_argument("--oracle", default=None,
-                   help="oracles that check every Case: reference, solo, transformers, determinism, all "
-                        "(default: reference and solo always, transformers and determinism sampled)")
     r.add_argument("--profile", default=None, help="Hypothesis profile: dev, ci, nightly, repro")
     r.add_argument("--json", action="store_true", help="print the summary as JSON")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
-    r.add_argument("--isolate", default="auto", choices=("auto", "on", "off"),
-                   help="run Cases in a worker process that is replaced after a fatal error "
-                        "(auto: on for CUDA devices)")
     r.add_argument("--target", default="reference",
                    help="engine to fuzz: reference (default: our engine, white-box) or vllm (a real vLLM, docs/vllm.md)")
     from fuzz.targets.vllm_cli import add_vllm_run_options
 
     add_vllm_run_options(r, standalone=False)
     r.set_defaults(fn=cmd_run)
-    rp = sub.add_parser("replay", help="re-run a reproducer: exit 1 if it still fails")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="llmfuzz", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    shared = _option_parents()
+    fuzzing = [shared["engine"], shared["fuzz_oracles"], shared["isolate"]]  # run, selftest
+    checking = [shared["check_oracles"], shared["isolate"]]  # replay, minimize
+    _add_run_parser(sub, fuzzing)
+    rp = sub.add_parser("replay", help="re-run a reproducer: exit 1 if it still fails", parents=checking)
     rp.add_argument("file")
     rp.add_argument("--json", action="store_true")
-    rp.add_argument("--oracle", default=None, help="oracles to check (default: all)")
-    rp.add_argument("--isolate", default="auto", choices=("auto", "on", "off"),
-                   help="run Cases in a worker process that is replaced after a fatal error "
-                        "(auto: on for CUDA devices)")
     rp.set_defaults(fn=cmd_replay)
-    mn = sub.add_parser("minimize", help="shrink a reproducer's Case further")
+    mn = sub.add_parser("minimize", help="shrink a reproducer's Case further", parents=checking)
     mn.add_argument("file")
     mn.add_argument("--out", default="reproducers")
-    mn.add_argument("--oracle", default=None, help="oracles to check (default: all)")
-    mn.add_argument("--isolate", default="auto", choices=("auto", "on", "off"),
-                   help="run Cases in a worker process that is replaced after a fatal error "
-                        "(auto: on for CUDA devices)")
     mn.set_defaults(fn=cmd_minimize)
     f = sub.add_parser("faults", help="list the fault registry")
     f.add_argument("--json", action="store_true")
     f.set_defaults(fn=cmd_faults)
-    st = sub.add_parser("selftest", help="fuzz with each registry fault on; exit 0 only if all are caught")
+    st = sub.add_parser("selftest", help="fuzz with each registry fault on; exit 0 only if all are caught",
+                        parents=fuzzing)
     st.add_argument("--budget-per-fault", type=float, default=60.0)
     st.add_argument("--fault", action="append", default=[], help="only these faults (repeatable)")
     st.add_argument("--out", default="reproducers/faults")
@@ -335,19 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--everywhere", action="store_true",
                     help="switch each fault on in every run the harness makes (reference included), as a "
                          "real bug in shared code would be; only independent oracles can then see it")
-    st.add_argument("--oracle", default=None,
-                   help="oracles that check every Case: reference, solo, transformers, determinism, all "
-                        "(default: reference and solo always, transformers and determinism sampled)")
-
     st.add_argument("--json", action="store_true")
-    st.add_argument("--device", default="cpu")
-    st.add_argument("--world", default="inproc", choices=("inproc", "torch"))
-    st.add_argument("--dtype", default="float32", help="model dtype: float32 (default), bfloat16, float16")
-    st.add_argument("--attention-backend", default="reference",
-                   help="reference (default), torch_flash (PyTorch's FlashAttention-2 kernel, CUDA), flash_attn")
-    st.add_argument("--isolate", default="auto", choices=("auto", "on", "off"),
-                   help="run Cases in a worker process that is replaced after a fatal error "
-                        "(auto: on for CUDA devices)")
     st.set_defaults(fn=cmd_selftest)
     g = sub.add_parser("generate", help="run a demo workload on the reference engine")
     g.add_argument("--layout", default="")

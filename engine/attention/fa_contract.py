@@ -1,7 +1,7 @@
 """The FlashAttention varlen contract: what one `flash_attn_varlen_func` call must satisfy.
 
 A leaf (torch and the standard library only), so the engine can check its own graph replays
-(engine/model_runner.py) without importing the harness; the fuzz harness, the FA guard and
+(engine/graph_runner.py) without importing the harness; the fuzz harness, the FA guard and
 `llmfuzz check-fa` run this same copy (`fuzz.invariants` re-exports it for users).
 
 `check_varlen_args` raises `FAInvariantError` naming the first bad argument and index, or

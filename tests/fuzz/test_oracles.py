@@ -186,3 +186,11 @@ def test_everywhere_fault_reaches_the_reference_run() -> None:
         assert e.value.oracle == "solo", e.value.message
     finally:
         h.close()
+
+
+def test_unknown_oracle_on_the_command_line_exits_2_naming_the_known_ones(capsys) -> None:
+    from fuzz.cli import main
+
+    assert main(["run", "--budget", "5", "--oracle", "tarot"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "tarot" in err[0] and "reference, solo, transformers, determinism" in err[0]
