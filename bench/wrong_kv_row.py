@@ -1,0 +1,49 @@
+"""Sensitivity of the logits check to a subtle bug: a decode token attends to one wrong KV row
+(position 10 reads position 30's K/V, in every layer) in a 50-token context, in the test run
+only. Prints the largest error/tolerance over the oracles per dtype and prompt seed (>1 is
+caught). Not a registry fault: a measurement of the harness.
+
+    python bench/wrong_kv_row.py > bench/results/wrong_kv_row_cpu.json
+"""
+import json, sys
+import torch
+import engine.custom_ops as co
+from fuzz.case import Case, RequestSpec, Workload
+from fuzz.harness import Harness
+from fuzz.properties import LogitsMismatch
+from fuzz.strategies import FUZZ_MODEL, tokens_from_seed
+real = co.varlen_attention
+ON = [False]
+def wrong_row(q, k_cache, v_cache, cu, max_q, seq_lens, max_k, bt, scale, *a, **kw):
+    if not ON[0] or q.shape[0] != 1 or int(seq_lens[0]) < 40:
+        return real(q, k_cache, v_cache, cu, max_q, seq_lens, max_k, bt, scale, *a, **kw)
+    bs = k_cache.shape[1]
+    def slot(p): return int(bt[0, p // bs]) * bs + p % bs
+    kf, vf = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
+    a_, b_ = slot(10), slot(30)
+    saved = kf[a_].clone(), vf[a_].clone()
+    kf[a_], vf[a_] = kf[b_], vf[b_]
+    try:
+        return real(q, k_cache, v_cache, cu, max_q, seq_lens, max_k, bt, scale, *a, **kw)
+    finally:
+        kf[a_], vf[a_] = saved
+co.varlen_attention = wrong_row
+out = {}
+for dtype in ("float32", "bfloat16", "float16"):
+    h = Harness(2)
+    rs = []
+    for seed in range(6):
+        case = Case(FUZZ_MODEL.replace(dtype=dtype), Workload((RequestSpec(tokens_from_seed(seed, 50, 128), 3),)))
+        ref = h.reference(case); forced = ref.output_token_ids()
+        ON[0] = True
+        try:
+            test = h._run(case, forced)
+        finally:
+            ON[0] = False
+        try:
+            rep = h._compare(case, ref, test, forced); rs.append(max(r.ratio for r in rep.values()))
+        except LogitsMismatch as e:
+            rs.append(e.error_ratio)
+    out[dtype] = [round(r, 3) for r in rs]
+    h.close()
+print(json.dumps({"what": __doc__, "error_over_tolerance_per_seed": out}, indent=1))
