@@ -112,12 +112,20 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput | None:
         """Next microbatch, or None when nothing can be scheduled now."""
-        budget = self.cfg.max_num_batched_tokens
         num_sched: dict[str, int] = {}
-        new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
         spec: dict[str, list[int]] = {}
+        budget = self._schedule_running(self.cfg.max_num_batched_tokens, num_sched, cached, spec)
+        new_reqs = self._schedule_waiting(budget, num_sched)
+        if not num_sched:
+            return None
+        self._advance_scheduled(num_sched)
+        return self._emit(num_sched, new_reqs, cached, spec)
 
+    def _schedule_running(self, budget: int, num_sched: dict[str, int], cached: CachedRequestData,
+                          spec: dict[str, list[int]]) -> int:
+        """Spend the budget on running requests first (decodes, prefill chunks, drafts to
+        verify); return what is left of it."""
         for req in list(self.running):
             if budget == 0:
                 break
@@ -140,7 +148,12 @@ class Scheduler:
             cached.new_token_ids.append(req.all_token_ids[req.num_tokens_sent:])
             cached.new_block_ids.append(new_blocks)
             cached.num_computed_tokens.append(req.num_computed_tokens)
+        return budget
 
+    def _schedule_waiting(self, budget: int, num_sched: dict[str, int]) -> list[NewRequestData]:
+        """Then admit waiting requests, in order, while the budget, max_num_seqs and the KV
+        pool allow (a prompt over the budget only with chunked prefill)."""
+        new_reqs: list[NewRequestData] = []
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -156,14 +169,20 @@ class Scheduler:
             budget -= n
             new_reqs.append(NewRequestData(req.req_id, req.all_token_ids,
                                            list(self.kv.req_blocks[req.req_id]), 0))
+        return new_reqs
 
-        if not num_sched:
-            return None
+    def _advance_scheduled(self, num_sched: dict[str, int]) -> None:
+        """num_computed_tokens advances at schedule time; the request is in flight until
+        update_from_output."""
         for rid in num_sched:
             req = self.requests[rid]
             req.num_computed_tokens += num_sched[rid]
             req.num_tokens_sent = req.num_tokens
             req.in_flight = True
+
+    def _emit(self, num_sched: dict[str, int], new_reqs: list[NewRequestData], cached: CachedRequestData,
+              spec: dict[str, list[int]]) -> SchedulerOutput:
+        """The microbatch, carrying the finished/preempted ids gathered since the last one."""
         out = SchedulerOutput(
             microbatch=self._next_microbatch, scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached, num_scheduled_tokens=num_sched,

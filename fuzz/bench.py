@@ -103,23 +103,9 @@ def run_bench(quick: bool = False, progress: bool = True) -> dict:
     budget = 6.0 if quick else 20.0
     t_all = time.perf_counter()
     harness = Harness()
-    cells, overhead = [], []
     try:
-        for layout, mode, where in CELLS + (CUDA_CELLS if torch.cuda.is_available() else ()):
-            # Warm-up pass (engine start-up, graph capture: its first example always runs in
-            # full), then the measured pass.
-            _examples_per_s(layout, mode, where, 1.0, harness)
-            cell, cases = _examples_per_s(layout, mode, where, budget, harness)
-            cells.append(cell)
-            bare = _bare_seconds(cases, harness) if cases else 0.0
-            if bare > 0:
-                per_example = cell["seconds"] / len(cases)
-                cell["bare_engine_s_per_example"] = round(bare / len(cases), 4)
-                cell["harness_overhead"] = round(per_example / (bare / len(cases)), 2)
-                if where == "inproc":  # the target is about the CPU in-process harness
-                    overhead.append(cell["harness_overhead"])
-            if progress:
-                print(json.dumps(cell), file=sys.stderr)
+        cells, overhead = _speed_cells(harness, CELLS + (CUDA_CELLS if torch.cuda.is_available() else ()),
+                                       budget, progress)
     finally:
         harness.close()
     # Quick: each fault is found in under 5 s (idle 2 cores); the budget and grace cap the
@@ -128,17 +114,7 @@ def run_bench(quick: bool = False, progress: bool = True) -> dict:
     faults = run_selftest(list(BENCH_FAULTS), budget_per_fault=15.0 if quick else 60.0,
                           out_dir=os.path.join("bench-out", "faults"), progress=False,
                           shrink_grace_s=5.0 if quick else None)
-    # The logits check's margin per half dtype: clean runs' largest error/tolerance beside
-    # each fault's (its committed minimal reproducer replayed in that dtype).
-    from fuzz.margin import measure_margin
-    from fuzz.strategies import FUZZ_MODEL
-
-    margins = [measure_margin(FUZZ_MODEL.replace(dtype=d), examples=2 if quick else 6)
-               for d in ("bfloat16", "float16")]
-    if progress:
-        for m in margins:
-            print(json.dumps({k: m[k] for k in ("dtype", "clean_max_ratio", "smallest_logits_fault_ratio")}),
-                  file=sys.stderr)
+    margins = _precision_margins(quick, progress)
     speed = _pytest_speedup()
     me = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
@@ -155,6 +131,43 @@ def run_bench(quick: bool = False, progress: bool = True) -> dict:
         "peak_rss_mb": {"self": round(me, 1), "children": round(kids, 1)},
         "seconds": round(time.perf_counter() - t_all, 1),
     }
+
+
+def _speed_cells(harness, cells_to_run: tuple, budget: float, progress: bool) -> tuple[list, list]:
+    """examples/s per (layout, mode, where), and each cell's harness overhead; returns
+    (cells, the in-process cells' overheads)."""
+    cells, overhead = [], []
+    for layout, mode, where in cells_to_run:
+        # Warm-up pass (engine start-up, graph capture: its first example always runs in
+        # full), then the measured pass.
+        _examples_per_s(layout, mode, where, 1.0, harness)
+        cell, cases = _examples_per_s(layout, mode, where, budget, harness)
+        cells.append(cell)
+        bare = _bare_seconds(cases, harness) if cases else 0.0
+        if bare > 0:
+            per_example = cell["seconds"] / len(cases)
+            cell["bare_engine_s_per_example"] = round(bare / len(cases), 4)
+            cell["harness_overhead"] = round(per_example / (bare / len(cases)), 2)
+            if where == "inproc":  # the target is about the CPU in-process harness
+                overhead.append(cell["harness_overhead"])
+        if progress:
+            print(json.dumps(cell), file=sys.stderr)
+    return cells, overhead
+
+
+def _precision_margins(quick: bool, progress: bool) -> list[dict]:
+    """The logits check's margin per half dtype: clean runs' largest error/tolerance beside
+    each fault's (its committed minimal reproducer replayed in that dtype)."""
+    from fuzz.margin import measure_margin
+    from fuzz.strategies import FUZZ_MODEL
+
+    margins = [measure_margin(FUZZ_MODEL.replace(dtype=d), examples=2 if quick else 6)
+               for d in ("bfloat16", "float16")]
+    if progress:
+        for m in margins:
+            print(json.dumps({k: m[k] for k in ("dtype", "clean_max_ratio", "smallest_logits_fault_ratio")}),
+                  file=sys.stderr)
+    return margins
 
 
 def cmd_bench(args) -> int:

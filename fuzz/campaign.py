@@ -1,9 +1,12 @@
 """Campaign: a time-budgeted Hypothesis run over Cases, with progress, stats and reproducers.
 
-The campaign goes round the layouts, one chunk of a few examples each. `_find` runs
-Hypothesis on one chunk (a fresh seed each, or the example database in nightly mode) and
-returns the failures it found, shrunk as far as Hypothesis got; `_finish` minimizes each one
-further, writes it, records it and prints it. The campaign goes on (or stops, with
+The one campaign loop for every target (fuzz.target: our engine, vLLM). It goes round the
+target's cells (layouts), one chunk of a few examples each, or visits each cell of a
+`sequential` target (vLLM: an engine start per cell) once for its share of the budget.
+`_find` runs Hypothesis on one chunk (a fresh seed each, or the example database in nightly
+mode) and returns the failures it found, shrunk as far as Hypothesis got; `_finish`
+minimizes each one further (fuzz.shrink, with the target's candidates), writes it, records
+it and prints it. The campaign goes on (or stops, with
 `stop_on_failure`, as selftest does). `_persist` is the one writer of reproducers: the first
 failure of a chunk is on disk the moment it is seen, so nothing is lost if the campaign is
 killed mid-shrink, and the final version replaces it.
@@ -16,17 +19,17 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 
-from hypothesis import given, seed as hseed, settings, target
-from hypothesis.database import ExampleDatabase
+from hypothesis import HealthCheck, Phase, given, seed as hseed, settings, target
 
 from fuzz.harness import Harness, pool_capacity_for
 from fuzz.isolated import make_harness
 from fuzz.properties import Violation
 from fuzz.reproduce import write_reproducer
-from fuzz.shrink import minimize
-from fuzz.strategies import FUZZ_MODEL, cases
+from fuzz.shrink import Shrinker, minimize
+from fuzz.strategies import FUZZ_MODEL
+from fuzz.target import (Cell, CellDatabase, CellStats, Failure, HarnessTarget, Summary,  # noqa: F401 (re-exported)
+                         Target, Unsupported)
 
 
 # Set by the signal handler next to the KeyboardInterrupt it raises. The exception alone can be
@@ -45,60 +48,6 @@ def check_stop() -> None:
         raise KeyboardInterrupt
 
 
-@dataclass
-class CellStats:
-    examples: int = 0
-    seconds: float = 0.0
-    engine_seconds: float = 0.0
-    failures: int = 0
-
-
-@dataclass
-class Failure:
-    property: str
-    message: str
-    case_desc: str
-    path: str
-    error_ratio: float | None
-    oracle: str | None = None  # what the failing run was compared against
-    second_opinion: str | None = None
-
-
-@dataclass
-class Summary:
-    examples: int = 0
-    seconds: float = 0.0
-    cells: dict = field(default_factory=dict)  # (layout, mode) -> CellStats
-    failures: list = field(default_factory=list)
-    interrupted: bool = False
-    first_failure_s: float | None = None  # time and examples until the first failure was seen
-    first_failure_examples: int | None = None
-    write_errors: int = 0  # failures that could not be written (their Case went to stderr)
-    duplicates: int = 0  # Cases drawn again after they passed: skipped, not counted as examples
-
-    def to_json(self) -> dict:
-        return {
-            "examples": self.examples, "failures": len(self.failures),
-            "layouts": sorted({k[0] for k in self.cells}), "modes": sorted({k[1] for k in self.cells}),
-            "seconds": round(self.seconds, 2), "reproducers": [f.path for f in self.failures],
-            "failure_details": [f.__dict__ for f in self.failures],
-            "per_cell": {f"{k[0]}/{k[1]}": {"examples": c.examples, "failures": c.failures,
-                                             "examples_per_s": round(c.examples / c.seconds, 2) if c.seconds else None}
-                         for k, c in sorted(self.cells.items())},
-            "interrupted": self.interrupted, "write_errors": self.write_errors,
-            "duplicates_skipped": self.duplicates,
-        }
-
-    def table(self) -> str:
-        rows = [f"{'layout':<10}{'mode':<7}{'examples':>9}{'ex/s':>8}{'failures':>10}"]
-        for (lay, mode), c in sorted(self.cells.items()):
-            rate = f"{c.examples / c.seconds:.2f}" if c.seconds else "-"
-            rows.append(f"{lay:<10}{mode:<7}{c.examples:>9}{rate:>8}{c.failures:>10}")
-        rows.append(f"{'total':<17}{self.examples:>9}{self.examples / max(self.seconds, 1e-9):>8.2f}"
-                    f"{len(self.failures):>10}")
-        return "\n".join(rows)
-
-
 def _leaves(g: BaseExceptionGroup | None) -> list:
     """The Violations inside a (possibly nested) exception group, first of each property."""
     out, seen = [], set()
@@ -113,51 +62,30 @@ def _leaves(g: BaseExceptionGroup | None) -> list:
     return out
 
 
-class CellDatabase(ExampleDatabase):
-    """The example database as one (layout, modes, faults) cell sees it. Hypothesis keys
-    saved examples by the test function, the same for every cell; here every key also
-    carries the cell's digest, so a saved failure is replayed only in its own cell, as the
-    kind of Case it was drawn as. Any database works underneath (the nightly's directory)."""
-
-    def __init__(self, db: ExampleDatabase, cell: bytes) -> None:
-        super().__init__()
-        self.db, self.prefix = db, hashlib.sha256(cell).hexdigest()[:20].encode() + b"/"
-
-    def save(self, key: bytes, value: bytes) -> None:
-        self.db.save(self.prefix + key, value)
-
-    def fetch(self, key: bytes):
-        return self.db.fetch(self.prefix + key)
-
-    def delete(self, key: bytes, value: bytes) -> None:
-        self.db.delete(self.prefix + key, value)
-
-    def move(self, src: bytes, dest: bytes, value: bytes) -> None:
-        self.db.move(self.prefix + src, self.prefix + dest, value)
-
-
 class Campaign:
-    def __init__(self, *, layouts, modes=("eager",), faults=(), seed: int = 0, out_dir: str = "reproducers",
+    def __init__(self, *, layouts=(), modes=("eager",), faults=(), seed: int = 0, out_dir: str = "reproducers",
                  budget_s: float = 60.0, chunk: int = 8, stop_on_failure: bool = False,
                  progress: bool = True, base=FUZZ_MODEL, max_requests: int = 10,
                  harness: Harness | None = None, use_database: bool = False,
                  shrink_grace_s: float | None = None, isolate: str = "auto",
-                 oracles: frozenset[str] = frozenset(), fault_scope: str = "test") -> None:
+                 oracles: frozenset[str] = frozenset(), fault_scope: str = "test",
+                 target: Target | None = None, shrink_s: float | None = None, min_cell_s: float = 60.0) -> None:
         self.fault_scope = fault_scope  # "everywhere": the faults are in every run (selftest --everywhere)
-        self.shrink_grace_s = shrink_grace_s  # shrinking past the budget; None: max(60 s, budget / 2)
         self.use_database = use_database
-        self.layouts, self.modes, self.faults = tuple(layouts), tuple(modes), tuple(faults)
-        # Short budgets take short chunks, so the round robin reaches every layout.
-        chunk = max(2, min(chunk, int(budget_s / (4 * max(1, len(self.layouts))))))
+        self.owns_target = harness is None and target is None  # closed by `run`; given ones are the caller's
+        if target is None:
+            # Without a harness given, one of our own (isolated on CUDA, as `make_harness` says),
+            # its engine pool sized for these layouts and modes.
+            harness = harness or make_harness(base.device, isolate,
+                                              pool_capacity_for(len(layouts), len(modes)), oracles)
+            target = HarnessTarget(harness, layouts, modes, faults, base, max_requests)
+        self.target, self.cells, self.harness = target, target.cells(), getattr(target, "harness", None)
+        # Short budgets take short chunks, so the round robin reaches every cell.
+        chunk = max(2, min(chunk, int(budget_s / (4 * max(1, len(self.cells))))))
         self.seed, self.out_dir, self.budget_s, self.chunk = seed, out_dir, budget_s, chunk
         self.stop_on_failure, self.progress = stop_on_failure, progress
-        self.base, self.max_requests = base, max_requests
-        self.summary = Summary()
-        # Without a harness given, one of our own (isolated on CUDA, as `make_harness` says),
-        # its engine pool sized for these layouts and modes.
-        self.harness = harness or make_harness(base.device, isolate,
-                                               pool_capacity_for(len(self.layouts), len(self.modes)), oracles)
-        self._own_harness = harness is None
+        self.shrink_s, self.min_cell_s = shrink_s, min_cell_s  # per failure; a sequential cell's least
+        self.summary = Summary(planned=[c.name for c in self.cells], budget_s=budget_s, seed=seed, target=target)
         self._last_print = 0.0
         # Cases that passed, by their JSON. Each chunk's Hypothesis run starts from the
         # simplest Case again and mutates earlier draws, so a short campaign draws many Cases
@@ -167,30 +95,34 @@ class Campaign:
         # The clock, started by `run`: the budget's end, and the hard deadline a bounded grace
         # past it, where shrinking (which may overrun the budget) stops with what it has.
         self._grace_s = shrink_grace_s if shrink_grace_s is not None else max(60.0, 0.5 * budget_s)
-        self._t0 = self._deadline = self._hard_deadline = 0.0
+        self._t0 = self._deadline = self._hard_deadline = self._chunk_end = 0.0
         # The failure `_find` is after: the last (smallest) version Hypothesis has shown us,
         # and the file an unfinished failure is on disk as until `_finish` replaces it.
         self._best: Violation | None = None
         self._unfinished_path: str | None = None
+        self._cell, self._row = None, None  # the cell being fuzzed (Cell), and its summary row
 
     def _body(self, case) -> None:
         check_stop()
         if self.fault_scope != case.fault_scope:
             case = dataclasses.replace(case, fault_scope=self.fault_scope)
         now = time.monotonic()
-        if now > self._hard_deadline or (now > self._deadline and self._best is None):
+        if now > self._hard_deadline or (now > self._chunk_end and self._best is None):
             # Out of time: the rest of the chunk passes untested (not counted); a shrink in
             # progress stops and keeps the smallest failure seen so far.
             return
+        if not self.target.hypothesis_shrinks and self._best is not None:
+            raise self._best  # Hypothesis replays the failure it saw: not worth another engine run
         key = hashlib.sha1(case.key().encode()).digest()  # 20 bytes a Case: flat over long runs
         if key in self._passed:
             self.summary.duplicates += 1
             return
         t0 = time.perf_counter()
-        cell = self.summary.cells.setdefault((case.layout, case.mode), CellStats())
+        cell = self.summary.cells.setdefault(self.target.stats_key(case), CellStats())
         try:
-            v = self.harness.check(case)
+            v = self.target.check(case)
             target(min(v.logits.ratio, 1e6), label="error/tolerance")
+            self.target.record(cell, v)
             self._passed.add(key)
         except Violation as v:
             self._seen(v)
@@ -208,36 +140,41 @@ class Campaign:
             self.summary.first_failure_s = time.monotonic() - self._t0
             self.summary.first_failure_examples = self.summary.examples + 1
         first, self._best = self._best is None, v
-        if first:
+        if first and self._triage(v) == "new":
             self._persist(v, final=False)
 
-    def _hypothesis_test(self, layout: str, i: int):
-        """Chunk `i` on `layout` as a Hypothesis test. Nightly (`use_database` and a database
+    def _triage(self, v: Violation) -> str:
+        return self.target.triage(v, [f for f in self.summary.failures if f.cell == self._cell.name])
+
+    def _hypothesis_test(self, cell: Cell, i: int):
+        """Chunk `i` on `cell` as a Hypothesis test. Nightly (`use_database` and a database
         in the profile): random, and the example database replays the cell's saved failures
         first. Otherwise a seed per chunk (which turns the database off): reproducible."""
-        strat = cases((layout,), self.modes, self.faults, self.base, self.max_requests)
         # Hypothesis runs the simplest Case first in every run (one short request, tp-only
         # options off): one extra example per chunk keeps `chunk` drawn ones. After the first
         # rotation the simplest Case is a skipped duplicate.
         s = settings(max_examples=self.chunk + 1)
+        if not self.target.hypothesis_shrinks:  # the minimizer shrinks, within its deadline
+            s = settings(s, deadline=None, database=None, phases=(Phase.explicit, Phase.generate),
+                         suppress_health_check=list(HealthCheck))
         db = settings.default.database
-        nightly = db is not None and self.use_database
+        nightly = db is not None and self.use_database and self.target.hypothesis_shrinks
         if nightly:
-            s = settings(s, database=CellDatabase(db, repr((layout, self.modes, self.faults)).encode()))
+            s = settings(s, database=CellDatabase(db, cell.name.encode()))
 
         def body(case):
             return self._body(case)
-        test = s(given(strat)(body))
+        test = s(given(cell.strategy)(body))
         return test if nightly else hseed(self.seed * 100003 + i)(test)
 
-    def _find(self, layout: str, i: int) -> tuple[list[Violation], bool]:
-        """Run chunk `i` on `layout`: the failures found, as small as Hypothesis got them, and
-        whether a stop (SIGINT/SIGTERM) ended the chunk. When a stop, or our hard deadline
-        (late replays pass: Hypothesis calls that flaky), cuts the shrink short, the smallest
-        failure seen so far. Every exception Hypothesis raises is handled here."""
-        self._best, found, stopped = None, [], False
+    def _find(self, cell: Cell, i: int, end: float) -> tuple[list[Violation], bool]:
+        """Run chunk `i` on `cell` until `end`: the failures found, as small as Hypothesis got
+        them, and whether a stop (SIGINT/SIGTERM) ended the chunk. When a stop, or our hard
+        deadline (late replays pass: Hypothesis calls that flaky), cuts the shrink short, the
+        smallest failure seen so far. Every exception Hypothesis raises is handled here."""
+        self._best, found, stopped, self._chunk_end = None, [], False, end
         try:
-            self._hypothesis_test(layout, i)()
+            self._hypothesis_test(cell, i)()
         except Violation as v:
             found = [v]
         except KeyboardInterrupt:
@@ -262,7 +199,7 @@ class Campaign:
         Case in full instead, so the failure is not lost, and remember it for the exit code."""
         try:
             return write_reproducer(self.out_dir, v.case, v.property, v.message, v.error_ratio,
-                                    v.oracle, v.second_opinion)
+                                    v.oracle, v.second_opinion, self.target.reproducer_meta(v.case, v))
         except OSError as e:
             self.summary.write_errors += 1
             sys.stderr.write(f"\nllmfuzz: cannot write reproducer to {self.out_dir} ({e.strerror or e}); "
@@ -290,77 +227,136 @@ class Campaign:
         done = min(20, int(20 * el / self.budget_s)) if self.budget_s else 20
         line = (f"[{'#' * done}{'.' * (20 - done)}] {el:5.0f}s/{self.budget_s:.0f}s "
                 f"{s.examples} examples ({s.examples / max(el, 1e-9):.2f}/s) "
-                f"layouts {len({k[0] for k in s.cells})}/{len(self.layouts)} failures {len(s.failures)}")
+                f"{self.target.unit} {len({k[0] for k in s.cells})}/{len(self.cells)} failures {len(s.failures)}")
         sys.stderr.write("\r" + line if tty else line + "\n")
         sys.stderr.flush()
 
     def _finish(self, v: Violation, shrink: bool = True) -> bool:
-        """A failure found: minimize it further (unless `shrink` is off or the hard deadline
-        passed), write it once, record it in the summary, print it. True when a stop
-        (SIGINT/SIGTERM) arrived while minimizing: the smallest version so far is written."""
-        stopped = False
+        """A failure found: triage it (a known one or a repeat is counted, not written);
+        minimize it further (unless `shrink` is off or the hard deadline passed), write it
+        once, record it in the summary, print it. True when a stop (SIGINT/SIGTERM) arrived
+        while minimizing: the smallest version so far is written."""
+        stopped, checks, verdict = False, 0, self._triage(v)
+        if verdict != "new":
+            self._skip(v, verdict)
+            return False
         if shrink and time.monotonic() < self._hard_deadline:
-            v, stopped = self._minimize(v)
+            v, stopped, checks = self._minimize(v)
         path = self._persist(v, final=True)
         case = v.case
         if path is None or not any(f.path == path for f in self.summary.failures):
             self.summary.failures.append(Failure(v.property, v.message, case.describe(), path, v.error_ratio,
-                                                 v.oracle, v.second_opinion))
-            self.summary.cells.setdefault((case.layout, case.mode), CellStats()).failures += 1
+                                                 v.oracle, v.second_opinion, self._cell.name,
+                                                 {"signature": getattr(v, "signature", None), "shrink_checks": checks,
+                                                  "row": self.target.stats_key(case)[0]}))
+            self.summary.cells.setdefault(self.target.stats_key(case), CellStats()).failures += 1
+        if self.target.ends_cell(v):
+            self._row.stopped = f"crashed ({v.property}: {getattr(v, 'signature', None)})"
         if self.progress:
             by = f" (against {v.oracle})" if v.oracle else ""
             sys.stderr.write(f"\nFOUND {v.property}{by}: {v.message}\n  {case.describe()}\n  -> {path}\n")
         return stopped
 
-    def _minimize(self, v: Violation) -> tuple[Violation, bool]:
-        """Hypothesis shrank within one layout; try simpler layouts and options too. The
-        smallest version that fails the same way (same property and oracle), and whether a
-        stop cut the search short (it keeps what it had)."""
-        best = [v]
+    def _skip(self, v: Violation, verdict: str) -> None:
+        if verdict == "repeat":
+            self._row.repeats += 1
+            return
+        sig = getattr(v, "signature", None)  # a known crash would only be met again: the cell ends
+        self._row.known.append(sig)
+        self._row.stopped = f"known failure {sig}"
 
-        def still_fails(case) -> bool:
-            check_stop()
-            if time.monotonic() > self._hard_deadline:
-                return False
-            try:
-                self.harness.check(case)
-            except Violation as w:
-                if (w.property, w.oracle) == (v.property, v.oracle):
-                    best[0] = w
-                    return True
-            return False
-
+    def _minimize(self, v: Violation) -> tuple[Violation, bool, int]:
+        """Hypothesis shrank within one cell; try the target's simpler Cases (layouts, options,
+        configs) too. The smallest version that fails the same way (same property, oracle and
+        signature), whether a stop cut the search short (it keeps what it had), and the checks."""
+        sh = Shrinker(v, self.target.check, before=check_stop)
+        deadline = self._hard_deadline
+        if self.shrink_s is not None:
+            deadline = min(deadline, time.monotonic() + self.shrink_s)
         try:
+            checks = 0
             # A failure that does not happen again (a rank killed from outside, a flaky host)
             # has no simpler version to find: one re-run instead of up to 80 passing candidates.
-            if still_fails(v.case):
-                minimize(v.case, still_fails, max_checks=80)
+            if not self.target.confirm_before_shrink or sh.still_fails(v.case):
+                _, checks = minimize(v.case, sh.still_fails, self.target.max_shrink_checks, deadline,
+                                     self.target.simpler)
         except KeyboardInterrupt:
-            return best[0], True
-        return best[0], False
+            return sh.best, True, checks
+        return sh.best, False, checks
+
+    def _visit(self, cell: Cell, row: CellStats, i: int, end: float) -> bool:
+        """One chunk on `cell`, its failures finished. True when the campaign should stop."""
+        self._cell, self._row = cell, row
+        found, stopped = self._find(cell, i, end)
+        for v in found:  # after a stop, the rest are written as they are
+            stopped = self._finish(v, shrink=not stopped) or stopped
+        if stopped:
+            self.summary.interrupted = True
+            return True
+        return self.stop_on_failure and bool(self.summary.failures)
+
+    def _run_round_robin(self) -> None:
+        i = 0
+        while time.monotonic() < self._deadline:
+            check_stop()
+            # One cell per chunk, round robin: every layout gets its turn early. A layout's
+            # summary rows are per mode (stats_key), and a round-robin target never ends, skips
+            # or repeats a cell: its own row is a scratch one.
+            if self._visit(self.cells[i % len(self.cells)], CellStats(), i, self._deadline):
+                return
+            i += 1
+
+    def _run_sequential(self) -> None:
+        """Each cell once, in order: its share of the time left (start-up included), and at
+        least min(min_cell_s, budget) of examples once started. A cell's costs are added to
+        its row however it ends (Target.cell_done)."""
+        for ci, cell in enumerate(self.cells):
+            now = time.monotonic()
+            if now >= self._deadline:
+                return
+            share = (self._deadline - now) / (len(self.cells) - ci)
+            row = self.summary.cells.setdefault(self.target.stats_key(cell.data), CellStats())
+            try:
+                if not self._start(cell, row):
+                    continue
+                end, j = max(now + share, time.monotonic() + min(self.min_cell_s, self.budget_s)), 0
+                while time.monotonic() < end and not row.stopped:
+                    check_stop()
+                    if self._visit(cell, row, ci * 1009 + j, end):
+                        return
+                    j += 1
+            finally:
+                self.target.cell_done(cell, row)
+
+    def _start(self, cell: Cell, row: CellStats) -> bool:
+        """Start a sequential cell's engine: False when it is refused (unsupported) or fails
+        to start (a failure, recorded without minimizing: every check would restart it)."""
+        self._cell, self._row = cell, row
+        if self.progress:
+            sys.stderr.write(f"llmfuzz: cell {cell.name}: starting\n")
+        try:
+            self.target.start(cell)
+            return True
+        except Unsupported as e:
+            row.unsupported = row.stopped = str(e)[:500]
+        except Violation as v:
+            self._finish(v, shrink=False)
+            row.stopped = f"engine did not start ({getattr(v, 'signature', v.property)})"
+        return False
 
     def run(self) -> Summary:
         self._t0 = time.monotonic()
         self._deadline = self._t0 + self.budget_s
         self._hard_deadline = self._deadline + self._grace_s
         _STOP.clear()  # a stop belongs to the run it interrupted (tests call main() in-process)
-        try:  # from here on, an interrupt still prints the summary and closes our harness
-            sys.stderr.write(f"llmfuzz: campaign started: {len(self.layouts)} layout(s), "
-                             f"modes {','.join(self.modes)}, budget {self.budget_s:.0f}s\n")
+        try:  # from here on, an interrupt still prints the summary and closes our target
+            sys.stderr.write(f"llmfuzz: campaign started: {self.target.describe()}, "
+                             f"budget {self.budget_s:.0f}s\n")
             sys.stderr.flush()
-            i = 0
-            while time.monotonic() < self._deadline:
-                check_stop()
-                # One layout per chunk, round robin: every layout gets its turn early.
-                found, stopped = self._find(self.layouts[i % len(self.layouts)], i)
-                i += 1
-                for v in found:  # after a stop, the rest are written as they are
-                    stopped = self._finish(v, shrink=not stopped) or stopped
-                if stopped:
-                    self.summary.interrupted = True
-                    break
-                if self.stop_on_failure and self.summary.failures:
-                    break
+            if self.target.sequential:
+                self._run_sequential()
+            else:
+                self._run_round_robin()
         except KeyboardInterrupt:
             self.summary.interrupted = True
         finally:
@@ -368,6 +364,6 @@ class Campaign:
             self._print_progress(force=True)
             if self.progress:
                 sys.stderr.write("\n")
-            if self._own_harness:
-                self.harness.close()
+            if self.owns_target:
+                self.target.close()
         return self.summary

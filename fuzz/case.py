@@ -15,7 +15,10 @@ from engine.faults import FAULTS
 from engine.schedule import Schedule
 
 # 2: `fault_scope` (faults in the test run only, or in every run the harness makes).
-CASE_FORMAT = 2
+# 3: `target` and `target_options` (the engine a Case runs on, and that engine's switches).
+CASE_FORMAT = 3
+TARGETS = ("reference", "vllm")
+PLAIN_FORMAT = 2  # what a reference-engine Case is written as (see Case.to_dict)
 FAULT_SCOPES = ("test", "everywhere")
 
 
@@ -49,6 +52,11 @@ class Case:
     # "everywhere": in every engine run the harness makes (reference included), as a real
     # bug in shared code would be. Only oracles that share no code with it can then see it.
     fault_scope: str = "test"
+    # The engine the Case runs on (fuzz.target: "reference", our engine; "vllm") and its
+    # switches that no EngineConfig field holds (vLLM: prefix caching, async scheduling).
+    # Part of the Case so that minimizing, hashing and reproducers carry them with it.
+    target: str = "reference"
+    target_options: dict = field(default_factory=dict, hash=False)
 
     @property
     def layout(self) -> str:
@@ -70,6 +78,8 @@ class Case:
             extra.append(f"spec={self.config.speculative_method}:{self.config.num_speculative_tokens}")
         if not self.schedule.is_default:
             extra.append(f"schedule={self.schedule.to_dict()}")
+        if self.target != "reference":
+            extra.append(f"target={self.target}" + "".join(f"+{k}" for k, v in sorted(self.target_options.items()) if v))
         if self.faults:
             extra.append(f"faults={list(self.faults)}" + (" everywhere" if self.fault_scope == "everywhere" else ""))
         return (f"{self.layout} {self.mode} | {len(lens)} request(s), prompt lens {lens}, "
@@ -97,14 +107,18 @@ class Case:
                                       f"of {cfg.vocab_size}")
         if self.fault_scope not in FAULT_SCOPES:
             raise CaseFormatError(f"fault_scope: {self.fault_scope!r} is not one of {', '.join(FAULT_SCOPES)}")
+        if self.target not in TARGETS:
+            raise CaseFormatError(f"target: {self.target!r} is not one of {', '.join(TARGETS)}")
+        if not isinstance(self.target_options, dict):
+            raise CaseFormatError("target_options: expected a JSON object")
         unknown = [f for f in self.faults if f not in FAULTS]
         if unknown:
             raise CaseFormatError(f"faults: unknown fault {unknown[0]!r}")
 
     # -- JSON ------------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return {
-            "format": CASE_FORMAT,
+        d = {
+            "format": PLAIN_FORMAT,
             "config": self.config.to_dict(),
             "workload": [{"prompt_token_ids": list(r.prompt_token_ids), "max_tokens": r.max_tokens,
                           "arrival_step": r.arrival_step} for r in self.workload.requests],
@@ -112,6 +126,11 @@ class Case:
             "faults": list(self.faults),
             "fault_scope": self.fault_scope,
         }
+        # A reference-engine Case is written exactly as format 2 wrote it: its JSON, and so its
+        # reproducer id (a hash of it), stay what they were, and older llmfuzz still loads it.
+        if self.target != "reference" or self.target_options:
+            d.update(format=CASE_FORMAT, target=self.target, target_options=dict(self.target_options))
+        return d
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
@@ -143,9 +162,11 @@ class Case:
             sched = Schedule.from_dict(d.get("schedule", {}))
             faults = tuple(str(f) for f in d.get("faults", ()))
             scope = str(d.get("fault_scope", "test"))  # format 1 had test-run faults only
+            target = str(d.get("target", "reference"))  # formats 1-2: the reference engine
+            options = d.get("target_options", {})
         except (KeyError, TypeError, ValueError) as e:
             raise CaseFormatError(f"case: malformed workload/schedule/faults ({type(e).__name__}: {e})") from None
-        case = cls(cfg, Workload(reqs), sched, faults, scope)
+        case = cls(cfg, Workload(reqs), sched, faults, scope, target, options)
         case.validate()
         return case
 

@@ -14,57 +14,14 @@ import argparse
 import json
 import sys
 
-EXIT_OK, EXIT_FAIL, EXIT_BAD_INPUT, EXIT_UNWRITTEN, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
-
-
-class BadInput(Exception):
-    """Reported as one line and exit code 2."""
-
-
-def _parse_layouts(text: str, base) -> list[str]:
-    from engine.config import ConfigError, layout_name, parse_layout
-
-    out = []
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        try:
-            tp, pp = parse_layout(item)
-            base.replace(tensor_parallel_size=tp, pipeline_parallel_size=pp)
-        except ConfigError as e:
-            raise BadInput(str(e)) from None
-        out.append(layout_name(tp, pp))
-    if not out:
-        raise BadInput("--layouts: empty list")
-    return out
-
-
-def _base_config(args):
-    from engine.config import ConfigError
-    from fuzz.strategies import FUZZ_MODEL
-
-    if args.device != "cpu":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise BadInput(f"--device {args.device}: CUDA is not available on this machine")
-    try:
-        return FUZZ_MODEL.replace(device=args.device, world=args.world, dtype=args.dtype,
-                                  attention_backend=args.attention_backend)
-    except ConfigError as e:
-        raise BadInput(str(e)) from None
-
-
-def _oracles(args) -> frozenset[str]:
-    """--oracle NAME[,NAME]: oracles that check every Case (fuzz/oracles/__init__.py)."""
-    from fuzz.oracles import UnknownOracle, parse_oracles
-    from fuzz.oracles.hf import available
-
-    try:
-        names = parse_oracles(getattr(args, "oracle", None))
-    except UnknownOracle as e:
-        raise BadInput(str(e)) from None
-    if "transformers" in names and not available():
-        raise BadInput("--oracle transformers: transformers is not installed (pip install transformers)")
-    return names
+from fuzz.cli_common import (EXIT_BAD_INPUT, EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK,  # noqa: F401
+                              EXIT_UNWRITTEN, BadInput)
+from fuzz.cli_common import base_config as _base_config
+from fuzz.cli_common import load as _load
+from fuzz.cli_common import load_profile as _load_profile
+from fuzz.cli_common import oracles as _oracles
+from fuzz.cli_common import parse_layouts as _parse_layouts
+from fuzz.cli_common import replay_oracles as _replay_oracles
 
 
 TARGETS = ("reference", "vllm")
@@ -119,51 +76,38 @@ def cmd_run(args) -> int:
     return EXIT_FAIL if summary.failures else EXIT_OK
 
 
-def _load(path: str):
-    from fuzz.case import CaseFormatError
-    from fuzz.reproduce import load_reproducer
+def _target(repro, args):
+    """The engine a reproducer's Case runs on (fuzz.target): ours, checked by every oracle (the
+    one that found the failure may have been sampled), or vLLM (fuzz/targets/vllm_cli.py)."""
+    if repro.case.target == "vllm":
+        from fuzz.targets.vllm_cli import replay_target
 
-    try:
-        repro = load_reproducer(path)
-    except CaseFormatError as e:
-        raise BadInput(str(e)) from None
-    if repro.case.config.device.startswith("cuda"):
-        import torch
+        return replay_target(repro)
+    from fuzz.isolated import make_harness
+    from fuzz.target import HarnessTarget
 
-        if not torch.cuda.is_available():
-            raise BadInput(f"{path}: the case runs on {repro.case.config.device}, and CUDA is not available here")
-    return repro
-
-
-def _load_profile(name: str | None) -> str:
-    from fuzz import profiles
-
-    try:
-        return profiles.load(name)
-    except ValueError as e:
-        raise BadInput(str(e)) from None
+    return HarnessTarget(make_harness(repro.case.config.device, getattr(args, "isolate", "auto"),
+                                      oracles=_oracles(args) or _replay_oracles()))
 
 
 def cmd_replay(args) -> int:
-    from fuzz.isolated import make_harness
     from fuzz.properties import Violation
     from fuzz.reproduce import replay_report
 
     repro = _load(args.file)
-    if (repro.meta or {}).get("target") == "vllm":  # a vLLM finding replays on vLLM
-        from fuzz.targets.vllm_cli import _cmd_replay
-
-        return _cmd_replay(args)
-    # A replay checks every oracle: the one that found the failure may have been sampled.
-    h = make_harness(repro.case.config.device, args.isolate, oracles=_oracles(args) or _replay_oracles())
+    target = _target(repro, args)
     violation = None
     try:
-        h.check(repro.case)
+        target.check(repro.case)
     except Violation as v:
         violation = v
     finally:
-        h.close()
-    if args.json:
+        target.close()
+    if repro.case.target == "vllm":
+        from fuzz.targets.vllm_cli import replay_output
+
+        replay_output(args, repro, violation, target)
+    elif args.json:
         print(json.dumps({"file": args.file, "reproduces": violation is not None,
                           "property": getattr(violation, "property", None),
                           "oracle": getattr(violation, "oracle", None),
@@ -174,43 +118,25 @@ def cmd_replay(args) -> int:
     return EXIT_FAIL if violation is not None else EXIT_OK
 
 
-def _replay_oracles() -> frozenset[str]:
-    from fuzz.oracles import ORACLES
-    from fuzz.oracles.hf import available
-
-    return frozenset(o for o in ORACLES if o != "transformers" or available())
-
-
 def cmd_minimize(args) -> int:
-    from fuzz.isolated import make_harness
-    from fuzz.properties import Violation
     from fuzz.reproduce import write_reproducer
-    from fuzz.shrink import minimize
+    from fuzz.shrink import Shrinker, minimize
 
     repro = _load(args.file)
-    h = make_harness(repro.case.config.device, args.isolate, oracles=_oracles(args) or _replay_oracles())
-    last: dict = {}
-
-    def still_fails(case) -> bool:
-        try:
-            h.check(case)
-            return False
-        except Violation as v:
-            if v.property == repro.property:
-                last["v"] = v
-                return True
-            return False
-
+    target = _target(repro, args)
+    # Kept when it fails with the recorded property (the oracle may differ: sampled ones).
+    sh = Shrinker(None, target.check, same=lambda v, _: v.property == repro.property)
     try:
-        if not still_fails(repro.case):
+        if not sh.still_fails(repro.case):
             print(f"{args.file}: does not fail with {repro.property} now; nothing to minimize")
             return EXIT_OK
-        small, checks = minimize(repro.case, still_fails)
-        still_fails(small)
+        small, checks = minimize(repro.case, sh.still_fails, simpler=target.simpler)
+        sh.still_fails(small)
+        v = sh.best
+        meta = target.reproducer_meta(small, v)
     finally:
-        h.close()
-    v = last["v"]
-    path = write_reproducer(args.out, small, v.property, v.message, v.error_ratio, v.oracle, v.second_opinion)
+        target.close()
+    path = write_reproducer(args.out, small, v.property, v.message, v.error_ratio, v.oracle, v.second_opinion, meta)
     print(f"minimized in {checks} checks: {small.describe()}\n  {v.property}: {v.message}\n  -> {path}")
     return EXIT_FAIL
 
@@ -371,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_report_parser(sub)
     from fuzz.targets.vllm_cli import add_vllm_parser
 
-    add_vllm_parser(sub)
+    add_vllm_parser(sub, replay=cmd_replay)
     return p
 
 

@@ -11,295 +11,30 @@ their shape/stride/dtype only. A dump written during CUDA graph capture holds no
 
 Folders are written under a `.tmp-` name and renamed into place, so a reader never sees a
 half-written dump. This module imports torch only when it reads or writes a dump.
+
+The pieces: fuzz/guard_dump_format.py (the layout), fuzz/guard_dump_write.py (write_dump),
+fuzz/guard_dump_read.py (find_dumps, load_dump); this module re-checks dumps (recheck,
+`llmfuzz check-fa`) and keeps all of their names importable from here.
 """
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
-import math
 import os
 import sys
-import time
-import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
-FORMAT = "llmfuzz-fa-guard-dump/1"
+from fuzz.guard_dump_format import _QKV, CALL_JSON, FORMAT, NPY_DIR, SAFETENSORS_FILE, DumpError
+from fuzz.guard_dump_read import Dump, find_dumps, load_dump
+from fuzz.guard_dump_write import write_dump
+
+__all__ = ["CALL_JSON", "EXIT_BAD_INPUT", "EXIT_FAIL", "EXIT_OK", "FORMAT", "NPY_DIR", "SAFETENSORS_FILE", "Dump",
+           "DumpError", "add_check_fa_parser", "check_fa", "cmd_check_fa", "find_dumps", "load_dump", "main",
+           "recheck", "write_dump"]
+
 EXIT_OK, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2  # as fuzz/cli.py
-CALL_JSON = "call.json"
-SAFETENSORS_FILE = "tensors.safetensors"
-NPY_DIR = "tensors"
 # check_varlen_args' tensor parameters in the order it checks their devices.
 _DEVICE_ORDER = ("k", "v", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "block_table", "slot_mapping")
-_QKV = ("q", "k", "v")
-_seq = itertools.count(1)
-
-
-class DumpError(Exception):
-    """A folder that is not a readable FA guard dump."""
-
-
-# -- writing --------------------------------------------------------------------------------
-def _slug(text: str, limit: int = 40) -> str:
-    out = "".join(c if c.isalnum() or c in "-_" else "_" for c in text)
-    return out[:limit].strip("_") or "call"
-
-
-def _scalar(x):
-    """A JSON entry for a non-tensor argument."""
-    import torch
-
-    if x is None or isinstance(x, (bool, str)):
-        return {"value": x}
-    if isinstance(x, int):
-        return {"value": int(x)}
-    if isinstance(x, float):
-        return {"value": x} if math.isfinite(x) else {"float": repr(x)}
-    if isinstance(x, (tuple, list)) and all(v is None or isinstance(v, (bool, int, float, str)) for v in x):
-        return {"value": list(x), "tuple": isinstance(x, tuple)}
-    if isinstance(x, (torch.dtype, torch.device)):
-        return {"repr": str(x)}
-    if hasattr(x, "__index__"):
-        try:
-            return {"value": x.__index__()}
-        except TypeError:
-            pass
-    return {"repr": repr(x)[:500]}
-
-
-def write_dump(dump_dir: str | os.PathLike, target: str, arguments: dict, check_kwargs: dict, *,
-               violation=None, values: bool = True, max_float_bytes: int = 16 << 20) -> Path:
-    """Write one call as a dump folder under dump_dir; return the folder's path.
-
-    arguments: the call's arguments by parameter name. check_kwargs: the check_varlen_args
-    arguments they map to (values identical to an argument are stored as a reference to it).
-    violation: the FAInvariantError it raised (or None to record a call that passed).
-    values=False stores no tensor values (inside CUDA graph capture)."""
-    import torch
-
-    root = Path(dump_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    tensors, metas, by_id = {}, {}, {}
-    budget = [max_float_bytes]
-
-    def put(name: str, t: torch.Tensor) -> dict:
-        if id(t) in by_id:
-            return {"tensor": by_id[id(t)]}
-        key = _slug(name, 80)
-        while key in metas:
-            key += "_"
-        by_id[id(t)] = key
-        meta = {"shape": list(t.shape), "stride": list(t.stride()), "storage_offset": t.storage_offset(),
-                "dtype": str(t.dtype).removeprefix("torch."), "device": str(t.device), "saved": False}
-        from engine.attention.fa_contract import is_fake
-
-        keep = values and not is_fake(t) and not t.is_complex()
-        if keep and t.is_floating_point():
-            nbytes = t.numel() * t.element_size()
-            keep = nbytes <= budget[0]
-            budget[0] -= nbytes if keep else 0
-        if keep:
-            tensors[key] = t.detach().to("cpu", copy=True).contiguous()
-            meta["saved"] = True
-        metas[key] = meta
-        return {"tensor": key}
-
-    def enc(name: str, x) -> dict:
-        return put(name, x) if isinstance(x, torch.Tensor) else _scalar(x)
-
-    args_json = {name: enc(name, x) for name, x in arguments.items()}
-    check_json = {}
-    for name, x in check_kwargs.items():
-        same = next((a for a, y in arguments.items() if y is x), None) if isinstance(x, torch.Tensor) else None
-        check_json[name] = {"arg": same} if same is not None else enc(f"check.{name}", x)
-    record = {
-        "format": FORMAT, "target": target,
-        "violation": None if violation is None else {
-            "argument": violation.argument, "message": violation.message, "index": violation.index,
-            "line": f"{target}: {violation.message}"},
-        "host_only": not values, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "pid": os.getpid(),
-        "torch": torch.__version__, "tensor_format": None,
-        "arguments": args_json, "check": check_json, "tensors": metas,
-    }
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    what = violation.argument if violation is not None else "pass"
-    name = f"{stamp}-{os.getpid()}-{next(_seq):04d}-{_slug(target.rpartition('.')[2], 24)}-{_slug(what, 24)}"
-    tmp = root / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    if tensors:
-        try:
-            from safetensors.torch import save_file
-        except ImportError:
-            (tmp / NPY_DIR).mkdir()
-            for key, t in tensors.items():
-                _save_npy(tmp / NPY_DIR / f"{key}.npy", t)
-            record["tensor_format"] = "npy"
-        else:
-            save_file(tensors, str(tmp / SAFETENSORS_FILE))
-            record["tensor_format"] = "safetensors"
-    with open(tmp / CALL_JSON, "w") as f:
-        json.dump(record, f, indent=1)
-        f.write("\n")
-    final = root / name
-    while final.exists():
-        final = root / f"{name}-{uuid.uuid4().hex[:4]}"
-    os.rename(tmp, final)  # atomic: readers see the whole folder or none
-    return final
-
-
-def _save_npy(path: Path, t) -> None:
-    import numpy as np
-    import torch
-
-    try:
-        arr = t.numpy()
-    except TypeError:  # bfloat16 / float8: store the bits, call.json has the dtype
-        arr = t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]).numpy()
-    np.save(path, arr, allow_pickle=False)
-
-
-# -- reading --------------------------------------------------------------------------------
-@dataclass
-class Dump:
-    path: Path
-    target: str
-    violation: dict | None
-    host_only: bool
-    arguments: dict  # parameter name -> value (tensors rebuilt on the CPU or as meta)
-    check_kwargs: dict  # check_varlen_args arguments (q/k/v as meta tensors)
-    devices: dict  # check_varlen_args tensor argument -> the device it was on
-    record: dict
-
-
-def find_dumps(path: str | os.PathLike) -> list[Path]:
-    """The dump folders at path: path itself if it holds call.json, else its children that do."""
-    p = Path(path)
-    if not p.is_dir():
-        raise DumpError(f"{path}: not a directory")
-    if (p / CALL_JSON).is_file():
-        return [p]
-    found = sorted(c for c in p.iterdir() if c.is_dir() and not c.name.startswith(".tmp-")
-                   and (c / CALL_JSON).is_file())
-    if not found:
-        raise DumpError(f"{path}: no FA guard dump here (no {CALL_JSON}, nor any folder holding one)")
-    return found
-
-
-def _dtype(name: str, where: str):
-    import torch
-
-    dt = getattr(torch, str(name), None)
-    if not isinstance(dt, torch.dtype):
-        raise DumpError(f"{where}: unknown dtype {name!r}")
-    return dt
-
-
-def load_dump(path: str | os.PathLike) -> Dump:
-    """Read a dump folder back; DumpError when it is not a complete, well-formed dump."""
-    import torch
-
-    p = Path(path)
-    try:
-        with open(p / CALL_JSON) as f:
-            rec = json.load(f)
-    except FileNotFoundError:
-        raise DumpError(f"{p}: no {CALL_JSON}") from None
-    except (OSError, ValueError) as e:
-        raise DumpError(f"{p / CALL_JSON}: unreadable: {e}") from None
-    if not isinstance(rec, dict) or rec.get("format") != FORMAT:
-        found = rec.get("format") if isinstance(rec, dict) else None
-        raise DumpError(f"{p / CALL_JSON}: not an FA guard dump (format {found!r}, expected {FORMAT!r})")
-    for key, typ in (("target", str), ("arguments", dict), ("check", dict), ("tensors", dict)):
-        if not isinstance(rec.get(key), typ):
-            raise DumpError(f"{p / CALL_JSON}: field {key!r} missing or not a {typ.__name__}")
-    for name in ("q", "k", "v", "cu_seqlens_q", "max_seqlen_q", "max_seqlen_k"):
-        if name not in rec["check"]:
-            raise DumpError(f"{p / CALL_JSON}: check argument {name!r} missing")
-
-    stored = {}
-    fmt = rec.get("tensor_format")
-    saved = [k for k, m in rec["tensors"].items() if isinstance(m, dict) and m.get("saved")]
-    try:
-        if saved and fmt == "safetensors":
-            from safetensors.torch import load_file
-
-            stored = load_file(str(p / SAFETENSORS_FILE))
-        elif saved and fmt == "npy":
-            import numpy as np
-
-            stored = {k: torch.from_numpy(np.load(p / NPY_DIR / f"{k}.npy", allow_pickle=False)) for k in saved}
-        elif saved:
-            raise DumpError(f"{p / CALL_JSON}: tensor_format {fmt!r} unknown")
-    except DumpError:
-        raise
-    except ImportError as e:
-        raise DumpError(f"{p}: cannot read {fmt} tensors here: {e}") from None
-    except Exception as e:
-        raise DumpError(f"{p}: tensor file unreadable: {type(e).__name__}: {e}") from None
-
-    tensors, meta_only = {}, {}
-    for key, m in rec["tensors"].items():
-        where = f"{p / CALL_JSON}: tensor {key!r}"
-        try:
-            shape, stride = [int(s) for s in m["shape"]], [int(s) for s in m["stride"]]
-            dtype = _dtype(m["dtype"], where)
-        except (KeyError, TypeError, ValueError) as e:
-            raise DumpError(f"{where}: bad metadata ({e})") from None
-        if len(shape) != len(stride):
-            raise DumpError(f"{where}: shape {shape} and stride {stride} differ in rank")
-        meta_only[key] = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
-        if not m.get("saved"):
-            continue
-        vals = stored.get(key)
-        if vals is None:
-            raise DumpError(f"{p}: tensor {key!r} is marked saved but missing from the tensor file")
-        if vals.dtype != dtype:
-            if vals.element_size() != torch.empty((), dtype=dtype).element_size():
-                raise DumpError(f"{where}: stored as {vals.dtype}, recorded {dtype}")
-            vals = vals.view(dtype)
-        if vals.numel() != math.prod(shape):
-            raise DumpError(f"{where}: {vals.numel()} values stored for shape {shape}")
-        try:  # keep the recorded strides: the check looks at stride(-1)
-            t = torch.empty_strided(shape, stride, dtype=dtype)
-            t.copy_(vals.reshape(shape))
-        except RuntimeError:
-            t = vals.reshape(shape).clone()
-        tensors[key] = t
-
-    def dec(entry, where: str, meta_qkv: bool = False):
-        if not isinstance(entry, dict):
-            raise DumpError(f"{p / CALL_JSON}: {where}: malformed entry {entry!r}")
-        if "tensor" in entry:
-            key = entry["tensor"]
-            if key not in meta_only:
-                raise DumpError(f"{p / CALL_JSON}: {where}: unknown tensor {key!r}")
-            return meta_only[key] if meta_qkv else tensors.get(key, meta_only[key])
-        if "value" in entry:
-            v = entry["value"]
-            return tuple(v) if entry.get("tuple") else v
-        if "float" in entry:
-            return float(entry["float"])
-        if "repr" in entry:
-            return entry["repr"]
-        raise DumpError(f"{p / CALL_JSON}: {where}: malformed entry {entry!r}")
-
-    arguments = {name: dec(e, f"argument {name!r}") for name, e in rec["arguments"].items()}
-    check, devices = {}, {}
-    for name, e in rec["check"].items():
-        entry = e
-        if isinstance(e, dict) and "arg" in e:
-            if e["arg"] not in rec["arguments"]:
-                raise DumpError(f"{p / CALL_JSON}: check {name!r} refers to unknown argument {e['arg']!r}")
-            entry = rec["arguments"][e["arg"]]
-        # q/k/v are only looked at for shape/dtype/stride: rebuild them as meta, as
-        # FACallRecord.varlen_args does for recorded calls.
-        check[name] = dec(entry, f"check {name!r}", meta_qkv=name in _QKV)
-        if isinstance(entry, dict) and "tensor" in entry:
-            devices[name] = rec["tensors"][entry["tensor"]].get("device", "meta")
-    viol = rec.get("violation")
-    return Dump(p, rec["target"], viol if isinstance(viol, dict) else None, bool(rec.get("host_only")),
-                arguments, check, devices, rec)
 
 
 def recheck(dump: Dump):

@@ -56,6 +56,13 @@ class CrashViolation(Violation):
     property = "crash"
 
 
+def same_failure(a, b) -> bool:
+    """A minimizer keeps a candidate that fails the same way: same property, same oracle, and
+    for crashes the same signature (another crash is another bug)."""
+    return (a.property, a.oracle, getattr(a, "signature", None)) == \
+        (b.property, b.oracle, getattr(b, "signature", None))
+
+
 @dataclass(slots=True)
 class LogitsReport:
     oracle: str

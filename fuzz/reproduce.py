@@ -5,6 +5,7 @@ twice lands in the same file. Loading never executes anything (JSON only).
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -34,10 +35,11 @@ def case_id(case: Case) -> str:
 
 def write_reproducer(out_dir: str, case: Case, prop: str, message: str,
                      error_ratio: float | None = None, oracle: str | None = None,
-                     second_opinion: str | None = None) -> str:
+                     second_opinion: str | None = None, meta: dict | None = None) -> str:
     """Write atomically (temp file + fsync + rename): a kill mid-write never leaves a
     truncated reproducer behind. `oracle` names what the failing run was compared against;
-    `second_opinion` is the transformers oracle's verdict on the same Case."""
+    `second_opinion` is the transformers oracle's verdict on the same Case; `meta`, extra
+    top-level fields a target adds (vLLM: its version, LLM arguments, crash signature)."""
     import torch
 
     d = os.path.join(out_dir, prop)
@@ -51,6 +53,10 @@ def write_reproducer(out_dir: str, case: Case, prop: str, message: str,
         "error_ratio": ratio if ratio is None or ratio != float("inf") else "inf",
         "case": case.to_dict(),
     }
+    if meta:
+        doc.update({k: v for k, v in meta.items() if k not in doc})
+    if case.target != "reference":
+        doc["replay"] = f"llmfuzz replay {path}"
     fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=".json")
     try:
         with os.fdopen(fd, "w") as f:
@@ -89,13 +95,26 @@ def load_reproducer(path: str) -> Reproducer:
     if "case" not in doc:
         raise CaseFormatError(f"{path}: 'case' missing")
     try:
-        case = Case.from_dict(doc["case"])
+        case = _migrate(Case.from_dict(doc["case"]), doc)
     except CaseFormatError as e:
         raise CaseFormatError(f"{path}: {e}") from None
     ratio = doc.get("error_ratio")
     return Reproducer(case, str(doc.get("property", "unknown")), str(doc.get("message", "")),
                       float(ratio) if isinstance(ratio, (int, float, str)) and ratio is not None else None,
                       path, {k: v for k, v in doc.items() if k != "case"})
+
+
+def _migrate(case: Case, doc: dict) -> Case:
+    """vLLM reproducers written before Cases had a target (case format 1, up to llmfuzz's
+    target refactor) named it beside the Case: `target` and `vllm_options` at the top level.
+    They load as they are, as the Case they describe."""
+    if case.target == "reference" and doc.get("target", "reference") != "reference":
+        opts = doc.get("vllm_options") or {}
+        if not isinstance(opts, dict):
+            raise CaseFormatError("'vllm_options': expected a JSON object")
+        case = dataclasses.replace(case, target=str(doc["target"]), target_options=dict(opts))
+        case.validate()
+    return case
 
 
 def replay_report(repro: Reproducer, violation: Exception | None) -> str:

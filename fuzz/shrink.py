@@ -7,8 +7,9 @@ candidate is kept only when it fails with the same property.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import replace
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from engine.config import ConfigError
 from engine.schedule import Schedule
@@ -67,15 +68,25 @@ def candidates(case: Case) -> Iterator[Case | None]:
             yield _with_requests(case, reqs[:i] + [replace(r, prompt_token_ids=(0,) * n)] + reqs[i + 1:])
 
 
-def minimize(case: Case, still_fails: Callable[[Case], bool], max_checks: int = 400) -> tuple[Case, int]:
-    """Greedy fixpoint: take the first simpler candidate that still fails, repeat."""
+def minimize(case: Case, still_fails: Callable[[Case], bool], max_checks: int = 400,
+             deadline: float | None = None,
+             simpler: Callable[[Case], Iterable[Case | None]] = candidates) -> tuple[Case, int]:
+    """Greedy fixpoint: take the first simpler candidate that still fails, repeat. Stops after
+    `max_checks` checks or at `deadline` (time.monotonic()), keeping the smallest so far.
+    `simpler` gives the candidates (a target's own: fuzz.target.Target.simpler)."""
     checks = 0
     progress = True
-    while progress and checks < max_checks:
+
+    def out_of_time() -> bool:
+        return deadline is not None and time.monotonic() > deadline
+
+    while progress and checks < max_checks and not out_of_time():
         progress = False
-        for cand in candidates(case):
-            if cand is None:
+        for cand in simpler(case):
+            if cand is None or cand == case:
                 continue
+            if out_of_time():
+                break
             try:
                 cand.validate()
             except CaseFormatError:
@@ -87,3 +98,31 @@ def minimize(case: Case, still_fails: Callable[[Case], bool], max_checks: int = 
             if checks >= max_checks:
                 break
     return case, checks
+
+
+class Shrinker:
+    """The predicate a minimizer runs for a failure `first`: `still_fails(case)` checks `case`
+    (`check`: a target's, fuzz.target) and is True when it fails the same way (`same`,
+    default fuzz.properties.same_failure); `best` is the smallest such Violation seen, kept when
+    a stop or a deadline cuts the search short. `before` runs ahead of every check (the
+    campaign's stop flag)."""
+
+    def __init__(self, first, check: Callable, same: Callable | None = None,
+                 before: Callable[[], None] | None = None) -> None:
+        from fuzz.properties import same_failure
+
+        self.first, self.best, self.check = first, first, check
+        self.same, self.before = same or same_failure, before
+
+    def still_fails(self, case: Case) -> bool:
+        from fuzz.properties import Violation
+
+        if self.before is not None:
+            self.before()
+        try:
+            self.check(case)
+        except Violation as w:
+            if self.same(w, self.first):
+                self.best = w
+                return True
+        return False

@@ -48,7 +48,6 @@ def varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     row's result does not depend on the batch's other sequences or on the scalars beyond
     what they include: eager and padded graph runs agree bitwise."""
     T, Hq, D = q.shape
-    bs, Hkv = k_cache.shape[1], k_cache.shape[2]
     out = torch.full_like(q, float("nan"))
     B = cu_seqlens_q.shape[0] - 1
     if B <= 0 or max_seqlen_q <= 0 or max_seqlen_k <= 0:
@@ -61,15 +60,40 @@ def varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     Lq_valid, Lk_valid = int(rows), int(max_seqlen_k)
     Lq = -(-Lq_valid // 16) * 16
     Lk = max(Lk_valid, key_len_pad or 0)
+    j, q_valid, q_idx, qb = _gather_queries(q, cu, q_lens, Lq, Lq_valid)
+    p, k_valid, kb, vb = _gather_keys(k_cache, v_cache, block_table, k_lens, B, Lk, Lk_valid, Hq, D)
 
-    # Query rows the kernel computes: j < min(q_len, rows) of each sequence.
-    j = torch.arange(Lq, device=dev)
+    # Accumulate wider than the inputs (fp64 for fp32, fp32 for half): a head's result then
+    # does not depend on how many heads or sequences share the call.
+    acc = torch.float64 if q.dtype in (torch.float32, torch.float64) else torch.float32
+    scores = torch.einsum("bqhd,bkhd->bhqk", qb.to(acc), kb.to(acc)) * softmax_scale
+    allowed = _allowed_keys(k_valid, q_lens, k_lens, j, p, causal)
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    res = torch.einsum("bhqk,bkhd->bqhd", probs, vb.to(acc)).to(q.dtype)
+    return _scatter_rows(out, res, q_valid, q_idx, T)
+
+
+def _gather_queries(q: torch.Tensor, cu: torch.Tensor, q_lens: torch.Tensor, Lq: int,
+                    Lq_valid: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Query rows the kernel computes: j < min(q_len, rows) of each sequence.
+    Returns (j [Lq], q_valid [B, Lq], q_idx [B, Lq], qb [B, Lq, Hq, D])."""
+    T = q.shape[0]
+    j = torch.arange(Lq, device=q.device)
     q_valid = j[None, :] < torch.clamp(q_lens, max=Lq_valid)[:, None]  # [B, Lq]
     q_idx = torch.where(q_valid, cu[:-1, None] + j[None, :], torch.zeros_like(j)[None, :])
     q_idx = q_idx.clamp(0, max(T - 1, 0))
     qb = q[q_idx]  # [B, Lq, Hq, D]
+    return j, q_valid, q_idx, qb
 
-    # Keys the kernel reads: p < min(seqused_k, max_seqlen_k), fetched page by page.
+
+def _gather_keys(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                 k_lens: torch.Tensor, B: int, Lk: int, Lk_valid: int, Hq: int,
+                 D: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys the kernel reads: p < min(seqused_k, max_seqlen_k), fetched page by page.
+    Returns (p [Lk], k_valid [B, Lk], kb and vb [B, Lk, Hq, D])."""
+    bs, Hkv = k_cache.shape[1], k_cache.shape[2]
+    dev = k_lens.device
     p = torch.arange(Lk, device=dev)
     k_valid = p[None, :] < torch.clamp(k_lens, max=Lk_valid)[:, None]  # [B, Lk]
     col = (p // bs).clamp(max=block_table.shape[1] - 1)
@@ -81,21 +105,25 @@ def varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if Hq != Hkv:
         kb = kb.repeat_interleave(Hq // Hkv, dim=2)
         vb = vb.repeat_interleave(Hq // Hkv, dim=2)
+    return p, k_valid, kb, vb
 
-    # Accumulate wider than the inputs (fp64 for fp32, fp32 for half): a head's result then
-    # does not depend on how many heads or sequences share the call.
-    acc = torch.float64 if q.dtype in (torch.float32, torch.float64) else torch.float32
-    scores = torch.einsum("bqhd,bkhd->bhqk", qb.to(acc), kb.to(acc)) * softmax_scale
+
+def _allowed_keys(k_valid: torch.Tensor, q_lens: torch.Tensor, k_lens: torch.Tensor, j: torch.Tensor,
+                  p: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Which keys each query row attends to: [B, 1, Lk], or [B, Lq, Lk] when causal."""
     allowed = k_valid[:, None, :]  # [B, 1, Lk]
     if causal:
         # Query row j sits at absolute position k_len - q_len + j (bottom-right aligned).
         qpos = (k_lens - q_lens)[:, None] + j[None, :]  # [B, Lq]
         allowed = allowed & (p[None, None, :] <= qpos[:, :, None])  # [B, Lq, Lk]
-    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    res = torch.einsum("bhqk,bkhd->bqhd", probs, vb.to(acc)).to(q.dtype)
-    # Scatter computed rows back; rows not computed go to a trash row past the end (no
-    # boolean indexing: that would sync the device and break CUDA graph capture).
+    return allowed
+
+
+def _scatter_rows(out: torch.Tensor, res: torch.Tensor, q_valid: torch.Tensor, q_idx: torch.Tensor,
+                  T: int) -> torch.Tensor:
+    """Scatter computed rows back; rows not computed go to a trash row past the end (no
+    boolean indexing: that would sync the device and break CUDA graph capture)."""
+    Hq, D = out.shape[1], out.shape[2]
     out = torch.cat([out, out[:1]])
     dst = torch.where(q_valid, q_idx, torch.full_like(q_idx, T))
     out.index_put_((dst.reshape(-1),), res.reshape(-1, Hq, D))

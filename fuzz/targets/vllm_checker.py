@@ -1,7 +1,7 @@
 """What is checked when a Case runs on vLLM (`VLLMChecker`), and the Violations it raises.
 
-Properties (each a `fuzz.properties.Violation`, so shrinking and reproducers work)
--------------------------------------------------------------------------------
+Properties (each in fuzz.properties' Violation tree, so shrinking and reproducers work)
+-----------------------------------------------------------------------------------
 - `vllm_crash` / `vllm_hang`: any exception or dead process / no reply within the bound.
 - `vllm_greedy`: the sampled token is the top-1 of vLLM's own logprobs.
 - `vllm_vs_reference`: against our reference engine (tp1pp1, eager, fp32) on the same
@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from fuzz.case import Case, RequestSpec, Workload
-from fuzz.properties import Violation
+from fuzz.harness import Verdict
+from fuzz.properties import CrashViolation, EngineViolation, LivenessViolation, LogitsMismatch, LogitsReport
 from fuzz.tolerance import logits_tolerance
 from fuzz.targets import (CompareReport, ReferenceTarget, RequestResult, RunMismatch, TargetFailure, TargetRun,
                           TargetUnavailable, TeacherForcedReport, TransformersOracle, check_greedy,
@@ -37,7 +37,9 @@ from fuzz.targets import (CompareReport, ReferenceTarget, RequestResult, RunMism
 from fuzz.targets.vllm_target import VLLM_MODEL, VLLMOptions, VLLMTarget, checkpoint_dir
 
 
-class VLLMCrash(Violation):
+# Each property is a kind of the reference engine's (crash, liveness, engine invariant,
+# logits), under its own name: reproducers are filed by it, and old ones name it.
+class VLLMCrash(CrashViolation):
     property = "vllm_crash"
 
     def __init__(self, failure: TargetFailure, case: Case | None = None) -> None:
@@ -45,23 +47,23 @@ class VLLMCrash(Violation):
         self.signature, self.kind, self.log_path = failure.signature, failure.kind, failure.log_path
 
 
-class VLLMHang(VLLMCrash):
+class VLLMHang(VLLMCrash, LivenessViolation):
     property = "vllm_hang"
 
 
-class VLLMGreedy(Violation):
+class VLLMGreedy(EngineViolation):
     property = "vllm_greedy"
 
 
-class VLLMvsReference(Violation):
+class VLLMvsReference(LogitsMismatch):
     property = "vllm_vs_reference"
 
 
-class VLLMBatchInvariance(Violation):
+class VLLMBatchInvariance(LogitsMismatch):
     property = "vllm_batch_invariance"
 
 
-class VLLMvsTransformers(Violation):
+class VLLMvsTransformers(LogitsMismatch):
     property = "vllm_vs_transformers"
 
 
@@ -69,17 +71,28 @@ def logprob_tolerance(cfg: EngineConfig, absmax: float) -> float:
     return 4.0 * logits_tolerance(cfg.torch_dtype(), cfg.hidden_size, absmax)
 
 
-@dataclass
-class VLLMVerdict:
-    case: Case
-    vs_reference: CompareReport
-    batch: CompareReport | None
-    vs_transformers: TeacherForcedReport | None
-    lp_tol: float
-    seconds: float
-    vllm_seconds: float
-    solo_runs: int = 0
-    notes: list = field(default_factory=list)
+class VLLMVerdict(Verdict):
+    """fuzz.harness.Verdict of a vLLM run: `logits` is the comparison with the reference in
+    nats of logprob (max |Δ logprob| against the tolerance), `oracles` every comparison by
+    oracle name (reference, vllm-solo, transformers); the properties name them."""
+
+    __slots__ = ()
+
+    @property
+    def vs_reference(self) -> CompareReport:
+        return self.oracles["reference"]
+
+    @property
+    def batch(self) -> CompareReport | None:
+        return self.oracles.get("vllm-solo")
+
+    @property
+    def vs_transformers(self) -> TeacherForcedReport | None:
+        return self.oracles.get("transformers")
+
+    @property
+    def lp_tol(self) -> float:
+        return self.logits.tolerance
 
 
 def violation_for(failure: TargetFailure, case: Case) -> VLLMCrash:
@@ -116,59 +129,70 @@ class VLLMChecker:
         except TargetFailure as f:
             raise violation_for(f, case) from None
 
-    def check(self, case: Case, opts: VLLMOptions = VLLMOptions()) -> VLLMVerdict:
+    def check(self, case: Case, opts: VLLMOptions | None = None) -> VLLMVerdict:
+        """Run `case` on vLLM (with `opts` instead of the Case's own options, if given)."""
+        if opts is not None or case.target != "vllm":
+            case = (opts or VLLMOptions.of(case)).on(case)
+        opts = VLLMOptions.of(case)
         case.validate()
         t0 = time.perf_counter()
         ref = self.reference.run(case)
         lp_tol = logprob_tolerance(case.config, self.reference.logit_absmax(case))
         want_plp = self.hf is not None and self.prompt_logprobs and not opts.enable_prefix_caching
         test = self._vllm(case, opts, prompt_logprobs=want_plp)
-        vllm_s = test.seconds
         try:
             check_greedy(test.results, lp_tol, "vLLM")
         except RunMismatch as e:
             raise VLLMGreedy(str(e), case) from None
         try:
-            rep = compare_runs(ref.results, test.results, lp_tol=lp_tol, margin_tol=lp_tol,
-                               oracle_name="reference", test_name="vLLM")
+            oracles = {"reference": compare_runs(ref.results, test.results, lp_tol=lp_tol, margin_tol=lp_tol,
+                                                 oracle_name="reference", test_name="vLLM")}
         except RunMismatch as e:
-            raise VLLMvsReference(str(e), case, e.ratio) from None
-        hf = None
+            raise VLLMvsReference(str(e), case, e.ratio, "reference") from None
         if self.hf is not None:
             prompts = {rid: r.prompt_token_ids for rid, r in request_items(case)}
             try:
-                hf = check_teacher_forced(self.hf, checkpoint_dir(case.config), prompts, test.results,
-                                          lp_tol=lp_tol, margin_tol=lp_tol, name="vLLM")
+                oracles["transformers"] = check_teacher_forced(self.hf, checkpoint_dir(case.config), prompts,
+                                                               test.results, lp_tol=lp_tol, margin_tol=lp_tol,
+                                                               name="vLLM")
             except RunMismatch as e:
-                raise VLLMvsTransformers(str(e), case, e.ratio) from None
-        batch, n_solo = None, 0
+                raise VLLMvsTransformers(str(e), case, e.ratio, "transformers") from None
+        vllm_s = test.seconds
         if self.batch_invariance and len(case.workload.requests) > 1:
-            solo: dict[str, RequestResult] = {}
-            key0 = self.target.engine_key(case.config, opts)
-            for rid, r in request_items(case):
-                k = key0 + json.dumps([r.prompt_token_ids, r.max_tokens])
-                if k not in self._solo:
-                    run = self._vllm(case, opts, [(rid, RequestSpec(r.prompt_token_ids, r.max_tokens, 0))])
-                    vllm_s += run.seconds
-                    n_solo += 1
-                    if len(self._solo) >= self._solo_cap:
-                        self._solo.pop(next(iter(self._solo)))
-                    self._solo[k] = run.results[rid]
-                solo[rid] = self._solo[k]
-            try:
-                batch = compare_runs(solo, test.results, lp_tol=lp_tol, margin_tol=lp_tol,
-                                     oracle_name="vLLM alone", test_name="vLLM in the batch")
-            except RunMismatch as e:
-                raise VLLMBatchInvariance(str(e), case, e.ratio) from None
-        return VLLMVerdict(case, rep, batch, hf, lp_tol, time.perf_counter() - t0, vllm_s, n_solo)
+            oracles["vllm-solo"], solo_s = self._batch_invariance(case, opts, test, lp_tol)
+            vllm_s += solo_s
+        rep = oracles["reference"]
+        return VLLMVerdict(case, LogitsReport("reference", rep.max_lp_error, lp_tol, rep.positions), oracles, 0,
+                           test.steps, 0, len(case.workload.requests), time.perf_counter() - t0, vllm_s)
+
+    def _batch_invariance(self, case: Case, opts: VLLMOptions, test: TargetRun, lp_tol: float):
+        """Each request alone (cached by engine and request) against the batch run: the
+        comparison and the seconds vLLM spent on solo runs."""
+        solo: dict[str, RequestResult] = {}
+        key0, seconds = self.target.engine_key(case.config, opts), 0.0
+        for rid, r in request_items(case):
+            k = key0 + json.dumps([r.prompt_token_ids, r.max_tokens])
+            if k not in self._solo:
+                run = self._vllm(case, opts, [(rid, RequestSpec(r.prompt_token_ids, r.max_tokens, 0))])
+                seconds += run.seconds
+                if len(self._solo) >= self._solo_cap:
+                    self._solo.pop(next(iter(self._solo)))
+                self._solo[k] = run.results[rid]
+            solo[rid] = self._solo[k]
+        try:
+            return compare_runs(solo, test.results, lp_tol=lp_tol, margin_tol=lp_tol, oracle_name="vLLM alone",
+                                test_name="vLLM in the batch"), seconds
+        except RunMismatch as e:
+            raise VLLMBatchInvariance(str(e), case, e.ratio, "vllm-solo") from None
 
     def close(self) -> None:
         self.target.close()
         self.reference.close()
 
 
-def vllm_case(workload: Workload | list[tuple[list[int], int]], base: EngineConfig = VLLM_MODEL, **changes) -> Case:
-    """A Case on the vLLM model: `vllm_case([([1, 2, 3], 4)], layout="tp1pp2")`."""
+def vllm_case(workload: Workload | list[tuple[list[int], int]], base: EngineConfig = VLLM_MODEL,
+              opts: VLLMOptions = VLLMOptions(), **changes) -> Case:
+    """A Case for vLLM on the vLLM model: `vllm_case([([1, 2, 3], 4)], layout="tp1pp2")`."""
     if not isinstance(workload, Workload):
         workload = Workload(tuple(RequestSpec(tuple(p), n) for p, n in workload))
-    return Case(base.replace(**changes) if changes else base, workload)
+    return opts.on(Case(base.replace(**changes) if changes else base, workload))

@@ -1,74 +1,79 @@
 """The vLLM commands: `llmfuzz run --target vllm` (alias `llmfuzz vllm run`), `llmfuzz vllm
 replay` (what `llmfuzz replay` calls for a vLLM reproducer) and `llmfuzz vllm cells`.
 
-The campaign, minimizer and replay they drive are in `fuzz.targets.vllm_campaign`. Nothing
-here imports torch or vLLM at import time: `llmfuzz --help` builds these parsers.
+They drive the shared campaign, minimizer and writer (fuzz.campaign, fuzz.shrink,
+fuzz.reproduce) on the vLLM target (`fuzz.targets.vllm_fuzz`). Nothing here imports torch
+or vLLM at import time: `llmfuzz --help` builds these parsers.
 """
 from __future__ import annotations
 
 import json
-import sys
 
-from fuzz.targets.vllm_campaign import (EXIT_BAD_INPUT, EXIT_FAIL, EXIT_OK, BadArgs, VLLMCampaign,
-                                        campaign_configs, load_known, replay)
+from fuzz.cli_common import EXIT_FAIL, EXIT_OK, EXIT_UNWRITTEN, BadInput
+from fuzz.targets.vllm_campaign import VLLMCampaign, campaign_configs, load_known
 
 
 def _cmd_run(args) -> int:
-    """`llmfuzz run --target vllm ...` and `llmfuzz vllm run ...`."""
+    """`llmfuzz run --target vllm ...` and `llmfuzz vllm run ...`: fuzz.campaign.Campaign on
+    the vLLM target."""
     from fuzz.targets import TargetUnavailable
     from fuzz.targets.vllm_target import vllm_python
 
-    prog = getattr(args, "prog", "llmfuzz run --target vllm")
     if not 0 < args.budget < float("inf"):
-        print(f"{prog}: --budget {args.budget} is not a positive number of seconds", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    try:
-        configs = campaign_configs(budget_s=args.budget, seed=args.seed, count=args.configs, layouts=args.layouts,
-                                   modes=args.modes, cells=args.cells, exclude=args.exclude)
-    except BadArgs as e:
-        print(f"{prog}: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        raise BadInput(f"--budget {args.budget} is not a positive number of seconds")
+    configs = campaign_configs(budget_s=args.budget, seed=args.seed, count=args.configs, layouts=args.layouts,
+                               modes=args.modes, cells=args.cells, exclude=args.exclude)
     try:
         known = load_known(args.known)
     except OSError as e:
-        print(f"{prog}: --known {args.known}: {e.strerror}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        raise BadInput(f"--known {args.known}: {e.strerror}") from None
     try:
         vllm_python()  # before anything starts: one line naming the missing package
         camp = VLLMCampaign(configs, budget_s=args.budget, out_dir=args.out or "reproducers/vllm", seed=args.seed,
                             known=known, max_requests=args.max_requests, shrink_s=args.shrink_budget,
                             progress=not args.quiet, shrink_configs=not args.no_config_shrink)
-        summary = camp.run()
+        summary = camp.run()  # closes the engine it started
+        doc = summary.to_json()
     except TargetUnavailable as e:
-        print(f"{prog}: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        raise BadInput(str(e)) from None
     if args.json:
-        print(json.dumps(summary.to_json(), indent=1))
+        print(json.dumps(doc, indent=1))
     else:
-        print(f"vLLM {summary.vllm_version}, {summary.seconds:.0f}s, oracles: {', '.join(summary.oracles)}")
+        print(f"vLLM {doc['vllm_version']}, {summary.seconds:.0f}s, oracles: {', '.join(doc['oracles'])}")
         print(summary.table())
-        for f in summary.failures:
+        for f in doc["failures"]:
             print(f"\nFAILED {f['property']} on {f['config']}: {f['message'][:300]}\n  case: {f['case']}\n"
                   f"  Reproduce with: llmfuzz replay {f['path']}")
         if summary.interrupted:
             print("(interrupted: summary so far)")
+    if summary.write_errors:
+        return EXIT_UNWRITTEN
     return EXIT_FAIL if summary.failures else EXIT_OK
 
 
-def _cmd_replay(args) -> int:
-    from fuzz.case import CaseFormatError
+def replay_target(repro):
+    """The vLLM target a reproducer replays or minimizes on (fuzz.cli): one line and exit 2 for
+    options this llmfuzz does not know, or without vLLM."""
     from fuzz.targets import TargetUnavailable
+    from fuzz.targets.vllm_fuzz import VLLMFuzzTarget
+    from fuzz.targets.vllm_target import VLLMOptions
 
     try:
-        repro, v, version = replay(args.file)
-    except CaseFormatError as e:
-        print(f"llmfuzz vllm replay: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except (TargetUnavailable, ValueError) as e:
-        print(f"llmfuzz vllm replay: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        VLLMOptions.of(repro.case)
+    except (TypeError, ValueError) as e:
+        raise BadInput(f"{repro.path}: {e}") from None
+    target = VLLMFuzzTarget([])
+    try:
+        target.checker  # noqa: B018 - looks for vLLM now, before anything runs
+    except TargetUnavailable as e:
+        raise BadInput(str(e)) from None
+    return target
+
+
+def replay_output(args, repro, v, target) -> None:
+    """What `llmfuzz replay` prints for a vLLM reproducer: the versions and the signature too."""
     meta = repro.meta or {}
-    rec_sig = meta.get("signature")
+    rec_sig, version = meta.get("signature"), target.checker.target.vllm_version
     same = v is not None and v.property == repro.property and getattr(v, "signature", None) == rec_sig
     if args.json:
         print(json.dumps({"file": args.file, "reproduces": v is not None, "same_failure": same,
@@ -76,27 +81,22 @@ def _cmd_replay(args) -> int:
                           "signature": getattr(v, "signature", None), "recorded_property": repro.property,
                           "recorded_signature": rec_sig, "vllm_version": version,
                           "recorded_vllm_version": meta.get("vllm_version")}))
+        return
+    print(f"Failing case: {repro.case.describe()}  [vLLM {version}; recorded with "
+          f"{meta.get('vllm_version')}; options {repro.case.target_options}]\n  file: {args.file}")
+    if v is None:
+        print(f"What was violated: nothing now; the case passes (recorded: {repro.property}: {repro.message})")
     else:
-        print(f"Failing case: {repro.case.describe()}  [vLLM {version}; recorded with "
-              f"{meta.get('vllm_version')}; options {meta.get('vllm_options')}]\n  file: {args.file}")
-        if v is None:
-            print(f"What was violated: nothing now; the case passes (recorded: {repro.property}: {repro.message})")
-        else:
-            print(f"What was violated: {v.property}: {v}" + ("" if same else
-                  f"\n  (recorded: {repro.property}: {repro.message})"))
-        print(f"Reproduce with: llmfuzz replay {args.file}")
-    return EXIT_FAIL if v is not None else EXIT_OK
+        print(f"What was violated: {v.property}: {v}" + ("" if same else
+              f"\n  (recorded: {repro.property}: {repro.message})"))
+    print(f"Reproduce with: llmfuzz replay {args.file}")
 
 
 def _cmd_cells(args) -> int:
     from fuzz.targets.vllm_target import cell_name, llm_kwargs
 
-    try:
-        configs = campaign_configs(budget_s=args.budget, seed=args.seed, count=args.configs, layouts=args.layouts,
-                                   modes=args.modes, cells=None, exclude=args.exclude)
-    except BadArgs as e:
-        print(f"llmfuzz vllm cells: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    configs = campaign_configs(budget_s=args.budget, seed=args.seed, count=args.configs, layouts=args.layouts,
+                               modes=args.modes, cells=None, exclude=args.exclude)
     for cfg, opts in configs:
         print(f"{cell_name(cfg, opts)}\n    {llm_kwargs(cfg, opts)}")
     return EXIT_OK
@@ -127,17 +127,19 @@ def add_vllm_run_options(r, *, standalone: bool) -> None:
                    help=f"{t}shrink a failure's workload only, not its config (each config step restarts vLLM)")
 
 
-def add_vllm_parser(subparsers) -> None:
-    """`llmfuzz vllm run|replay|cells` (imports nothing heavy until a command runs)."""
+def add_vllm_parser(subparsers, replay=None) -> None:
+    """`llmfuzz vllm run|replay|cells` (imports nothing heavy until a command runs).
+    `replay`: the `llmfuzz replay` command, which replays a vLLM reproducer on vLLM by its
+    Case's target (handed in, so this module does not import the CLI)."""
     v = subparsers.add_parser("vllm", help="fuzz a real vLLM (needs vLLM: scripts/setup_vllm_cpu.sh, docs/vllm.md)")
     vs = v.add_subparsers(dest="vllm_cmd", required=True)
     r = vs.add_parser("run", help="time-budgeted campaign against vLLM (= llmfuzz run --target vllm)")
     add_vllm_run_options(r, standalone=True)
-    r.set_defaults(fn=_cmd_run, prog="llmfuzz vllm run")
+    r.set_defaults(fn=_cmd_run)
     rp = vs.add_parser("replay", help="re-run a vLLM reproducer: exit 1 if it still fails (= llmfuzz replay)")
     rp.add_argument("file")
     rp.add_argument("--json", action="store_true")
-    rp.set_defaults(fn=_cmd_replay)
+    rp.set_defaults(fn=replay)
     c = vs.add_parser("cells", help="list the vLLM configs a campaign with this budget and seed visits")
     c.add_argument("--budget", type=float, default=600.0)
     c.add_argument("--seed", type=int, default=0)
@@ -146,18 +148,3 @@ def add_vllm_parser(subparsers) -> None:
     c.add_argument("--modes", default="")
     c.add_argument("--exclude", default=None)
     c.set_defaults(fn=_cmd_cells)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m fuzz.targets.vllm_cli run ...` (the same as `llmfuzz vllm run ...`)."""
-    import argparse
-
-    p = argparse.ArgumentParser(prog="llmfuzz")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    add_vllm_parser(sub)
-    args = p.parse_args(["vllm", *(argv if argv is not None else sys.argv[1:])])
-    return args.fn(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

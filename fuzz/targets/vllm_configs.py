@@ -1,4 +1,6 @@
-"""vLLM configs as a Hypothesis strategy, and the handful a campaign can afford.
+"""vLLM configs: the model (`VLLM_MODEL`), the switches no EngineConfig field holds
+(`VLLMOptions`, a Case's `target_options`), config names, a Hypothesis strategy, and the
+handful a campaign can afford.
 
 `vllm_configs()` draws (EngineConfig, VLLMOptions) over the knobs vLLM users turn: layout
 (tp, pp), eager vs compiled, the chunked-prefill budget (`max_num_batched_tokens`),
@@ -22,10 +24,111 @@ only changes the arguments; it matters on CUDA.
 """
 from __future__ import annotations
 
+import re
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING
+
 from hypothesis import strategies as st
 
 from engine.config import EngineConfig
-from fuzz.targets.vllm_target import COMPILED, VLLM_MODEL, VLLMOptions, cell_name
+
+if TYPE_CHECKING:
+    from fuzz.case import Case
+
+# A tiny Llama that vLLM's CPU backend accepts: head_dim 64 (its CPU attention rejects 16),
+# block size a multiple of 32. 2 query heads over 1 kv head (GQA; tp2 replicates the kv
+# head), 2 layers (pp2 = one layer per stage). Prompts up to max_model_len // 2 = 64 tokens
+# cover block edges 31/32/33 and 63/64.
+VLLM_MODEL = EngineConfig(
+    vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+    head_dim=64, intermediate_size=256, block_size=32, num_gpu_blocks=64, max_num_seqs=8,
+    max_num_batched_tokens=128, max_model_len=128)
+
+
+@dataclass(frozen=True, slots=True)
+class VLLMOptions:
+    """vLLM switches that have no EngineConfig field (stored in reproducers' meta)."""
+
+    enable_prefix_caching: bool = False
+    async_scheduling: bool = False
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "VLLMOptions":
+        d = dict(d or {})
+        unknown = sorted(set(d) - {"enable_prefix_caching", "async_scheduling"})
+        if unknown:
+            raise ValueError(f"vllm_options: unknown field {unknown[0]!r}")
+        return cls(**d)
+
+    @classmethod
+    def of(cls, case: Case) -> "VLLMOptions":
+        """A Case's options (its `target_options`; the defaults for a Case that has none)."""
+        return cls.from_dict(case.target_options)
+
+    def on(self, case: Case) -> Case:
+        """`case` for vLLM with these options."""
+        return replace(case, target="vllm", target_options=self.to_dict())
+
+    def describe(self) -> str:
+        on = [k for k, v in self.to_dict().items() if v]
+        return ",".join(on)
+
+
+COMPILED = dict(cudagraph_mode="FULL", capture_sizes=(1, 2, 4, 8))  # "compiled": torch.compile on CPU
+
+
+def cell_name(cfg: EngineConfig, opts: VLLMOptions = VLLMOptions()) -> str:
+    """'tp1pp2-eager', 'tp1pp1-compiled-b16-s2-blk64-ngram2+enable_prefix_caching' (the parts
+    that differ from VLLM_MODEL; `parse_cell_name` inverts it)."""
+    name = f"{cfg.layout}-{'eager' if cfg.cudagraph_mode == 'NONE' else 'compiled'}"
+    if cfg.max_num_batched_tokens != VLLM_MODEL.max_num_batched_tokens:
+        name += f"-b{cfg.max_num_batched_tokens}"
+    if cfg.max_num_seqs != VLLM_MODEL.max_num_seqs:
+        name += f"-s{cfg.max_num_seqs}"
+    if cfg.block_size != VLLM_MODEL.block_size:
+        name += f"-blk{cfg.block_size}"
+    if cfg.speculative_method != "none":
+        name += f"-{cfg.speculative_method}{cfg.num_speculative_tokens}"
+    if opts.describe():
+        name += "+" + opts.describe().replace(",", "+")
+    return name
+
+
+_CELL = re.compile(r"^(?P<layout>tp\d+pp\d+)-(?P<mode>eager|compiled)(?:-b(?P<b>\d+))?(?:-s(?P<s>\d+))?"
+                   r"(?:-blk(?P<blk>\d+))?(?:-ngram(?P<k>\d+))?(?P<opts>(?:\+\w+)*)$")
+
+
+def parse_cell_name(name: str, base: EngineConfig = VLLM_MODEL) -> tuple[EngineConfig, VLLMOptions]:
+    """'tp2pp1-compiled-b32-ngram2+enable_prefix_caching' -> (EngineConfig, VLLMOptions);
+    ValueError naming the problem otherwise."""
+    from engine.config import ConfigError
+
+    m = _CELL.match(name.strip())
+    if not m:
+        raise ValueError(f"{name!r} is not a vLLM config name like tp1pp2-eager or "
+                         f"tp1pp1-compiled-b16-s2-blk64-ngram2+enable_prefix_caching")
+    ch: dict = {"layout": m["layout"]}
+    if m["mode"] == "compiled":
+        ch.update(COMPILED)
+    for key, field_ in (("b", "max_num_batched_tokens"), ("s", "max_num_seqs"), ("blk", "block_size")):
+        if m[key]:
+            ch[field_] = int(m[key])
+    if m["k"]:
+        ch.update(speculative_method="ngram", num_speculative_tokens=int(m["k"]))
+    flags = [f for f in m["opts"].split("+") if f]
+    try:
+        opts = VLLMOptions(**{f: True for f in flags})
+    except TypeError:
+        raise ValueError(f"{name!r}: unknown option in {'+'.join(flags)!r} (known: enable_prefix_caching, "
+                         f"async_scheduling)") from None
+    try:
+        return base.replace(**ch), opts
+    except ConfigError as e:
+        raise ValueError(f"{name!r}: {e}") from None
+
 
 VLLM_LAYOUTS = ("tp1pp1", "tp2pp1", "tp1pp2")  # 2 query heads, 2 layers, 2 cores: tp, pp <= 2
 VLLM_MODES = ("eager", "compiled")

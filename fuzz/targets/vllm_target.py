@@ -23,7 +23,7 @@ seeded weights written by `engine.weights.save_hf_checkpoint`, so the reference 
 "NONE" -> `enforce_eager=True`; "FULL" -> torch.compile, which is what "compiled" means
 for vLLM on CPU), block size, token budget (`max_num_batched_tokens`), `max_num_seqs`,
 `max_model_len`, n-gram speculative decoding. vLLM-only switches (prefix caching, async
-scheduling) live in `VLLMOptions` and are stored beside the Case in reproducers.
+scheduling) are `VLLMOptions`, kept in the Case's `target_options` (target "vllm").
 Sampling: temperature 0, `ignore_eos=True` (every request generates exactly max_tokens,
 as in the reference engine), top-`top_k` logprobs (raw logprobs: log-softmax of the
 model's logits). Arrivals are EMULATED: a request with arrival_step a is added before the
@@ -37,106 +37,22 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import selectors
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from fuzz.case import Case, RequestSpec
 from fuzz.targets import (RequestResult, TargetFailure, TargetRun, TargetUnavailable, package_path,
                           parse_tracebacks, request_items, signature)
+# The vLLM model, its options and config names live with the config strategy; re-exported here.
+from fuzz.targets.vllm_configs import COMPILED, VLLM_MODEL, VLLMOptions, cell_name, parse_cell_name  # noqa: F401
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_worker.py")
-
-# A tiny Llama that vLLM's CPU backend accepts: head_dim 64 (its CPU attention rejects 16),
-# block size a multiple of 32. 2 query heads over 1 kv head (GQA; tp2 replicates the kv
-# head), 2 layers (pp2 = one layer per stage). Prompts up to max_model_len // 2 = 64 tokens
-# cover block edges 31/32/33 and 63/64.
-VLLM_MODEL = EngineConfig(
-    vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-    head_dim=64, intermediate_size=256, block_size=32, num_gpu_blocks=64, max_num_seqs=8,
-    max_num_batched_tokens=128, max_model_len=128)
-
-
-@dataclass(frozen=True, slots=True)
-class VLLMOptions:
-    """vLLM switches that have no EngineConfig field (stored in reproducers' meta)."""
-
-    enable_prefix_caching: bool = False
-    async_scheduling: bool = False
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict | None) -> "VLLMOptions":
-        d = dict(d or {})
-        unknown = sorted(set(d) - {"enable_prefix_caching", "async_scheduling"})
-        if unknown:
-            raise ValueError(f"vllm_options: unknown field {unknown[0]!r}")
-        return cls(**d)
-
-    def describe(self) -> str:
-        on = [k for k, v in self.to_dict().items() if v]
-        return ",".join(on)
-
-
-COMPILED = dict(cudagraph_mode="FULL", capture_sizes=(1, 2, 4, 8))  # "compiled": torch.compile on CPU
-
-
-def cell_name(cfg: EngineConfig, opts: VLLMOptions = VLLMOptions()) -> str:
-    """'tp1pp2-eager', 'tp1pp1-compiled-b16-s2-blk64-ngram2+enable_prefix_caching' (the parts
-    that differ from VLLM_MODEL; `parse_cell_name` inverts it)."""
-    name = f"{cfg.layout}-{'eager' if cfg.cudagraph_mode == 'NONE' else 'compiled'}"
-    if cfg.max_num_batched_tokens != VLLM_MODEL.max_num_batched_tokens:
-        name += f"-b{cfg.max_num_batched_tokens}"
-    if cfg.max_num_seqs != VLLM_MODEL.max_num_seqs:
-        name += f"-s{cfg.max_num_seqs}"
-    if cfg.block_size != VLLM_MODEL.block_size:
-        name += f"-blk{cfg.block_size}"
-    if cfg.speculative_method != "none":
-        name += f"-{cfg.speculative_method}{cfg.num_speculative_tokens}"
-    if opts.describe():
-        name += "+" + opts.describe().replace(",", "+")
-    return name
-
-
-_CELL = re.compile(r"^(?P<layout>tp\d+pp\d+)-(?P<mode>eager|compiled)(?:-b(?P<b>\d+))?(?:-s(?P<s>\d+))?"
-                   r"(?:-blk(?P<blk>\d+))?(?:-ngram(?P<k>\d+))?(?P<opts>(?:\+\w+)*)$")
-
-
-def parse_cell_name(name: str, base: EngineConfig = VLLM_MODEL) -> tuple[EngineConfig, VLLMOptions]:
-    """'tp2pp1-compiled-b32-ngram2+enable_prefix_caching' -> (EngineConfig, VLLMOptions);
-    ValueError naming the problem otherwise."""
-    from engine.config import ConfigError
-
-    m = _CELL.match(name.strip())
-    if not m:
-        raise ValueError(f"{name!r} is not a vLLM config name like tp1pp2-eager or "
-                         f"tp1pp1-compiled-b16-s2-blk64-ngram2+enable_prefix_caching")
-    ch: dict = {"layout": m["layout"]}
-    if m["mode"] == "compiled":
-        ch.update(COMPILED)
-    for key, field_ in (("b", "max_num_batched_tokens"), ("s", "max_num_seqs"), ("blk", "block_size")):
-        if m[key]:
-            ch[field_] = int(m[key])
-    if m["k"]:
-        ch.update(speculative_method="ngram", num_speculative_tokens=int(m["k"]))
-    flags = [f for f in m["opts"].split("+") if f]
-    try:
-        opts = VLLMOptions(**{f: True for f in flags})
-    except TypeError:
-        raise ValueError(f"{name!r}: unknown option in {'+'.join(flags)!r} (known: enable_prefix_caching, "
-                         f"async_scheduling)") from None
-    try:
-        return base.replace(**ch), opts
-    except ConfigError as e:
-        raise ValueError(f"{name!r}: {e}") from None
 
 
 def llm_kwargs(cfg: EngineConfig, opts: VLLMOptions = VLLMOptions()) -> dict:
@@ -398,12 +314,13 @@ class VLLMTarget:
         return TargetFailure(kind, sig, detail, w.log_path)
 
     # -- running ------------------------------------------------------------------------------
-    def run(self, case: Case, opts: VLLMOptions = VLLMOptions(),
+    def run(self, case: Case, opts: VLLMOptions | None = None,
             items: list[tuple[str, RequestSpec]] | None = None, prompt_logprobs: bool = False) -> TargetRun:
         """Run the Case's workload (or `items`, (request id, spec) pairs) on the engine for
-        its config (with top-k prompt logprobs if asked); raise TargetFailure on a crash, a
-        hang or a failed start."""
+        its config and options (`opts`, else the Case's), with top-k prompt logprobs if asked;
+        raise TargetFailure on a crash, a hang or a failed start."""
         items = request_items(case) if items is None else items
+        opts = VLLMOptions.of(case) if opts is None else opts
         self.ensure(case.config, opts)
         w = self._w
         st = self.stats[w.cell]

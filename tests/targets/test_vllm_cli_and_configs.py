@@ -14,8 +14,8 @@ from fuzz import cli
 from fuzz.case import Case, RequestSpec, Workload
 from fuzz.targets import vllm_target as vt
 from fuzz.targets import vllm_checker as vc
-from fuzz.targets.vllm_campaign import (VLLMCampaign, campaign_configs, minimize_vllm, simpler_configs,
-                                        unsupported)
+from fuzz.targets.vllm_campaign import VLLMCampaign, campaign_configs, minimize_vllm
+from fuzz.targets.vllm_fuzz import simpler_configs, unsupported
 from fuzz.targets.vllm_configs import VLLM_LAYOUTS, VLLM_MODES, plan_configs, vllm_configs
 
 
