@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import sys
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -186,6 +187,9 @@ class Harness:
             raise ValueError("oracle: transformers is not installed (pip install transformers)")
         self.solo = SoloOracle()
         self.transformers = hf.TransformersOracle() if hf.available() else None
+        if self.transformers is None:  # a core dependency; a hand-made environment may lack it
+            sys.stderr.write("llmfuzz: transformers is not installed: the transformers oracle is off "
+                             "(pip install transformers)\n")
 
     def reference(self, case: Case) -> Trace:
         cfg = reference_config(case.config)
