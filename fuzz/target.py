@@ -13,6 +13,7 @@ and a few policies a campaign asks about (defaults: the reference engine's). Tar
 """
 from __future__ import annotations
 
+import abc
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -130,7 +131,7 @@ class Unsupported(Exception):
     """The engine refuses a cell's config by design (not a failure): the cell is skipped."""
 
 
-class Target:
+class Target(abc.ABC):
     """Base class: the interface, with the reference engine's policies as defaults."""
 
     name = "reference"
@@ -140,11 +141,13 @@ class Target:
     max_shrink_checks = 80
     unit = "layouts"  # what the progress line counts the cells as
 
+    @abc.abstractmethod
     def cells(self) -> list[Cell]:
-        raise NotImplementedError
+        """The cells a campaign visits, in order."""
 
+    @abc.abstractmethod
     def check(self, case):
-        raise NotImplementedError
+        """Verdict of `case`, or raise the Violation it shows."""
 
     def simpler(self, case) -> Iterable:
         from fuzz.shrink import candidates

@@ -9,6 +9,7 @@ shrinking and Hypothesis's mutations re-run the same requests many times.
 """
 from __future__ import annotations
 
+import abc
 import time
 from collections import OrderedDict
 
@@ -27,7 +28,7 @@ def model_key(cfg: EngineConfig) -> tuple:
     return tuple(getattr(cfg, f) for f in MODEL_FIELDS)
 
 
-class SequenceOracle:
+class SequenceOracle(abc.ABC):
     """Base: a subclass builds a model for a config and maps token ids to logits rows."""
 
     name = "sequence"
@@ -38,12 +39,13 @@ class SequenceOracle:
         self.results: OrderedDict[tuple, torch.Tensor] = OrderedDict()
         self.seconds = 0.0  # time spent computing (cache hits cost nothing)
 
-    def build(self, cfg: EngineConfig):  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def build(self, cfg: EngineConfig):
+        """The model for `cfg` (built once per model key, cached)."""
 
-    def forward(self, model, cfg: EngineConfig, ids: torch.Tensor) -> torch.Tensor:  # pragma: no cover
+    @abc.abstractmethod
+    def forward(self, model, cfg: EngineConfig, ids: torch.Tensor) -> torch.Tensor:
         """[L] token ids -> [L, vocab] float32 logits of a causal forward."""
-        raise NotImplementedError
 
     def _model(self, cfg: EngineConfig):
         key = model_key(cfg)
