@@ -67,7 +67,8 @@ def cmd_run(args) -> int:
     else:
         print(summary.table())
         for f in summary.failures:
-            print(f"\nFAILED {f.property}: {f.message}\n  case: {f.case_desc}\n"
+            by = f" (against {f.oracle})" if f.oracle else ""
+            print(f"\nFAILED {f.property}{by}: {f.message}\n  case: {f.case_desc}\n"
                   f"  Reproduce with: llmfuzz replay {f.path}")
         if summary.interrupted:
             print("(interrupted: summary so far)")
