@@ -25,10 +25,8 @@ from hypothesis import HealthCheck, given, seed, settings
 def _cell(args) -> list[dict]:
     layout, mode, dtype, n, device, backend, s = args
     s = s * 1000 + zlib.crc32(f"{layout}/{mode}".encode()) % 1000  # other Cases in every cell
-    from fuzz.case import reference_config
     from fuzz.harness import Harness
     from fuzz.strategies import FUZZ_MODEL, cases
-    from fuzz.tolerance import Tolerance, is_half
 
     h = Harness(4)
     base = FUZZ_MODEL.replace(dtype=dtype, device=device, attention_backend=backend)
@@ -39,21 +37,13 @@ def _cell(args) -> list[dict]:
     @given(cases((layout,), (mode,), (), base, 8))
     def body(case):
         ref = h.reference(case)
-        forced = ref.output_token_ids()
-        test = h._run(case, forced)
-        ref_cfg = reference_config(case.config)
-        solo32 = h.solo.trace(ref_cfg, case.workload, forced)
-        half = is_half(dtype)
-        noise = Tolerance.measure(h.solo.trace(case.config, case.workload, forced), solo32) if half else {}
-        tol = Tolerance(dtype, case.config.hidden_size, noise)
-        oracles = {"reference": ref, "solo": solo32}
-        if h.transformers is not None:
-            oracles["transformers"] = h.transformers.trace(ref_cfg, case.workload, forced)
-        for name, o in oracles.items():
+        test = h.run_case(case)  # teacher-forced with the reference's tokens
+        traces, tol = h.oracle_traces(case, ref.output_token_ids(), transformers=True)
+        for name, o in {"reference": ref, **traces}.items():
             for rid, recs in o.tokens.items():
                 for r, t in zip(recs, test.tokens[rid]):
                     err = float((t.logits - r.logits).abs().max())
-                    rows.append({"cell": f"{layout}/{mode}", "oracle": name, "noise": noise.get(rid, 0.0),
+                    rows.append({"cell": f"{layout}/{mode}", "oracle": name, "noise": tol.noise.get(rid, 0.0),
                                  "err": err, "ratio": err / tol.bound(rid, r.logits),
                                  "bound": tol.bound(rid, r.logits),
                                  "greedy_flip": t.sampled != r.sampled,

@@ -74,7 +74,11 @@ class FACallRecord:
         call happened (so each layer's own scalars are in it), the snapshot tensors by
         identity (a snapshot is a host copy nothing writes, shared by a forward's layers)."""
         return tuple(id(v) if isinstance(v, torch.Tensor) else v
-                     for v in (getattr(self, f.name) for f in fields(self) if f.name not in _WHERE))
+                     for v in (getattr(self, name) for name in _CONTRACT_FIELDS))
+
+
+# Computed once: contract_key runs for every recorded attention call (hundreds an example).
+_CONTRACT_FIELDS = tuple(f.name for f in fields(FACallRecord) if f.name not in _WHERE)
 
 
 def register_group(group) -> int:

@@ -238,9 +238,10 @@ class Harness:
         return self._run(case, ref.output_token_ids())
 
     def check(self, case: Case) -> Verdict:
-        """Run `case`, its reference and its oracles; raise the first Violation, else
-        return a Verdict. Checks run cheapest first: FA invariants, reference, solo,
-        transformers, determinism."""
+        """Run `case`, its reference and its oracles; raise the first Violation, else return a
+        Verdict. Checks run cheapest first: FA invariants, reference, solo, transformers,
+        determinism. A failure of the run's logits or FA calls carries the transformers
+        oracle's verdict on the same run as its `second_opinion`."""
         case.validate()
         t0 = time.perf_counter()
         e0 = self.engine_seconds
@@ -248,8 +249,14 @@ class Harness:
             ref = self.reference(case)
             forced = ref.output_token_ids()
             test = self._run(case, forced)
-            n_fa = check_fa_records(case, test.fa_records)
-            reports = self._compare(case, ref, test, forced)
+            oracles, tol = self.oracle_traces(case, forced, transformers=self._transformers_due())
+            try:
+                n_fa = check_fa_records(case, test.fa_records)
+                reports = {name: check_logits(case, trace, test, tol, name)
+                           for name, trace in {"reference": ref, **oracles}.items()}
+            except (FAViolation, LogitsMismatch) as v:
+                v.second_opinion = self._second_opinion(case, test, forced, tol)
+                raise
             if case.config.device == "cpu" and ("determinism" in self.always or sampled_for_determinism(case)):
                 check_determinism(case, test, self._run(case, forced))
                 reports["determinism"] = True
@@ -259,26 +266,18 @@ class Harness:
         return Verdict(case, worst, reports, n_fa, test.num_steps, test.num_preemptions, test.max_in_flight,
                        time.perf_counter() - t0, self.engine_seconds - e0)
 
-    def _compare(self, case: Case, ref: Trace, test: Trace, forced: dict) -> dict:
-        """The logits comparisons: reference, solo, then transformers when it is due. A
-        failing comparison asks transformers for a second opinion, kept on the Violation."""
+    def oracle_traces(self, case: Case, forced: dict, transformers: bool = False) -> tuple[dict, Tolerance]:
+        """The sequence oracles' traces for `case` teacher-forced with `forced` (solo, and
+        transformers when asked), and the tolerance they and the reference are judged with:
+        in half precision the noise measured by solo in the test dtype against solo32."""
         cfg, ref_cfg = case.config, reference_config(case.config)
-        solo32 = self.solo.trace(ref_cfg, case.workload, forced)
+        traces = {"solo": self.solo.trace(ref_cfg, case.workload, forced)}
         noise = None
         if is_half(cfg.dtype):  # the baseline: plain arithmetic in the test dtype
-            noise = Tolerance.measure(self.solo.trace(cfg, case.workload, forced), solo32)
-        tol = Tolerance(cfg.dtype, cfg.hidden_size, noise)
-        reports = {}
-        try:
-            reports["reference"] = check_logits(case, ref, test, tol, "reference")
-            reports["solo"] = check_logits(case, solo32, test, tol, "solo")
-        except LogitsMismatch as v:
-            v.second_opinion = self._second_opinion(case, test, forced, tol)
-            raise
-        if self._transformers_due():
-            tf = self.transformers.trace(ref_cfg, case.workload, forced)
-            reports["transformers"] = check_logits(case, tf, test, tol, "transformers")
-        return reports
+            noise = Tolerance.measure(self.solo.trace(cfg, case.workload, forced), traces["solo"])
+        if transformers and self.transformers is not None:
+            traces["transformers"] = self.transformers.trace(ref_cfg, case.workload, forced)
+        return traces, Tolerance(cfg.dtype, cfg.hidden_size, noise)
 
     def _transformers_due(self) -> bool:
         if self.transformers is None:

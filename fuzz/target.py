@@ -20,8 +20,6 @@ from typing import Any, Iterable
 
 from hypothesis.database import ExampleDatabase
 
-from fuzz.properties import same_failure  # noqa: F401  (part of the interface)
-
 
 @dataclass(frozen=True)
 class Cell:

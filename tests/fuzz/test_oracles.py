@@ -194,3 +194,19 @@ def test_unknown_oracle_on_the_command_line_exits_2_naming_the_known_ones(capsys
     assert main(["run", "--budget", "5", "--oracle", "tarot"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "tarot" in err[0] and "reference, solo, transformers, determinism" in err[0]
+
+
+def test_an_fa_failure_carries_the_transformers_second_opinion() -> None:
+    """The FA check fails before any logits comparison; the run's logits still get the
+    independent oracle's verdict, kept for the reproducer."""
+    from fuzz.properties import FAViolation
+
+    case = _case(lens=(5,), max_tokens=2, cudagraph_mode="FULL", capture_sizes=(8,))
+    case = Case(case.config, case.workload, faults=("stale_query_start_loc_tail",))
+    h = Harness(2)
+    try:
+        with pytest.raises(FAViolation) as e:
+            h.check(case)
+        assert e.value.second_opinion is not None and e.value.second_opinion.startswith("transformers")
+    finally:
+        h.close()
