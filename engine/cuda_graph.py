@@ -2,33 +2,29 @@
 
 A captured graph freezes every Python scalar and every buffer address; replay reads
 whatever the static buffers hold. GPU: a real `torch.cuda.CUDAGraph` per captured size.
-CPU: the captured function is a closure over the scalars frozen at capture (the padded
-shape, max_seqlen_q/k, num_reqs), replayed on the same static buffers, so it reads live
-buffers with stale scalars exactly as a CUDA graph does. That it is graph-safe (no host
-read of device values, which a graph would freeze or refuse) is proven once per code path:
-`make_fx` traces it in fake mode the first time a trace key (the rank's partition and
-options) is captured in this process. Tracing is ~1 s per 8 layers on CPU; tracing every
-(engine, rank, size) made CPU graph mode 10-50x slower than eager.
+CPU: the forward traced by make_fx into an FX graph, replayed on the same static buffers
+(engine/cpu_graph.py): the scalars it read at capture are constants of the graph, so a
+replay reads live buffers with stale scalars, as a CUDA graph does, and a host read of a
+device value (which a graph would freeze or refuse) fails at capture.
 
 Baked at capture (from `AttentionMetadataBuilder.build_for_cudagraph_capture`):
 `max_seqlen_q` (= the padded token count, an upper bound of every query length the size
-can hold), `max_seqlen_k` (= max_model_len), the padded batch shape (tokens, requests)
-and every buffer address. Read from the static buffers at replay: input_ids, positions,
-query_start_loc, seq_lens, block table, slot_mapping, PP intermediate tensors, KV cache.
+can hold), `max_seqlen_k` (= max_model_len), the padded batch shape (tokens, requests),
+every other Python value the forward reads (attention scale, faults) and every buffer
+address. Read from the static buffers at replay: input_ids, positions, query_start_loc,
+seq_lens, block table, slot_mapping, PP intermediate tensors, KV cache.
 """
 from __future__ import annotations
 
 import enum
-import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-# make_fx keeps global tracing state and is not thread-safe: one capture at a time.
-CAPTURE_LOCK = threading.Lock()
-TRACED: set = set()  # trace keys proven graph-safe by make_fx in this process
+from engine import cpu_graph
+from engine.cpu_graph import CAPTURE_LOCK, CaptureSpec
 
 
 class CUDAGraphMode(enum.Enum):
@@ -80,27 +76,15 @@ class GraphStore:
         return len(self.graphs)
 
     def get_or_capture(self, desc: BatchDescriptor, fn: Callable, static_args: list,
-                       trace_key: object = None) -> Callable:
+                       spec: CaptureSpec) -> Callable:
         g = self.graphs.get(desc)
         if g is None:
             t0 = time.perf_counter()
             g = self._capture_gpu(fn, static_args) if self.device.startswith("cuda") else \
-                self._capture_cpu(fn, static_args, trace_key)
+                cpu_graph.capture(fn, static_args, spec)
             self.capture_seconds += time.perf_counter() - t0
             self.graphs[desc] = g
         return g
-
-    @staticmethod
-    def _capture_cpu(fn: Callable, static_args: list, trace_key: object = None) -> Callable:
-        from torch.fx.experimental.proxy_tensor import make_fx
-
-        if trace_key is None or trace_key not in TRACED:
-            with CAPTURE_LOCK:
-                # Fake mode: collectives and KV writes do not execute while tracing; a host
-                # read of a device value fails here, as it would break a CUDA graph.
-                make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*static_args)
-                TRACED.add(trace_key)
-        return fn
 
     def _capture_gpu(self, fn: Callable, static_args: list) -> Callable:
         side = torch.cuda.Stream()

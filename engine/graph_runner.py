@@ -8,6 +8,7 @@ docs/bug_classes.md#graph_stale_max_seqlen and docs/bug_classes.md#capture_metad
 """
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Callable
 
 import torch
@@ -15,11 +16,17 @@ import torch
 from engine.attention.fa_contract import check_varlen_args
 from engine.attention.metadata import AttentionMetadataBuilder, CommonAttentionMetadata, FACallRecord
 from engine.config import EngineConfig
+from engine.cpu_graph import CaptureSpec, tensor_slots
 from engine.cuda_graph import BatchDescriptor, GraphStore
 from engine.custom_ops import AttentionSink
 from engine.faults import CAPTURE_FAULTS, CAPTURE_METADATA_BAKED, GRAPH_STALE_MAX_SEQLEN, FaultSet
 from engine.input_prep import InputBuffers, PreparedBatch
 from engine.model import LlamaForCausalLM
+
+NOT_READ_BY_FORWARD = ("seed", "model_path", "weights_dtype", "num_gpu_blocks", "max_num_seqs",
+                       "max_num_batched_tokens", "enable_chunked_prefill", "broadcast_pp_output",
+                       "world", "capture_sizes", "cudagraph_mode", "step_timeout_s",
+                       "speculative_method", "num_speculative_tokens")
 
 
 def check_before_replay(rec: FACallRecord) -> None:
@@ -34,10 +41,14 @@ class CUDAGraphRunner:
 
     def __init__(self, cfg: EngineConfig, faults: FaultSet, model: LlamaForCausalLM, kv_caches: dict,
                  bufs: InputBuffers, builder: AttentionMetadataBuilder, sink: AttentionSink,
-                 forward: Callable, with_drafter: bool) -> None:
+                 forward: Callable, with_drafter: bool, sink_key: int,
+                 forward_scalars: Callable[[], tuple]) -> None:
         self.cfg, self.faults, self.model, self.kv_caches = cfg, faults, model, kv_caches
         self.bufs, self.builder, self.sink, self.forward = bufs, builder, sink, forward
-        self.with_drafter = with_drafter
+        self.with_drafter, self.sink_key = with_drafter, sink_key
+        # Python values of the runner the forward reads (the attention scale): part of the
+        # key a trace is shared under, since a trace bakes them.
+        self.forward_scalars = forward_scalars
         self.graphs = GraphStore(cfg.device)
         self._baked: dict[BatchDescriptor, tuple[int, int, int]] = {}  # what each graph froze
         self._graph_key: tuple | None = None
@@ -104,14 +115,32 @@ class CUDAGraphRunner:
     def _get_or_capture(self, desc: BatchDescriptor, fn: Callable, bufs: list) -> Callable:
         records, self.sink.records = self.sink.records, None  # capture runs are not calls
         try:
-            key = None
-            if desc not in self.graphs.graphs:  # one code path per partition and options
-                m, cfg = self.model, self.cfg
-                key = (cfg.num_hidden_layers, m.start, m.end, m.run_end, cfg.tp, cfg.sequence_parallel,
-                       m.is_first, m.is_last, self.with_drafter)
-            return self.graphs.get_or_capture(desc, fn, bufs, trace_key=key)
+            spec = None
+            if desc not in self.graphs.graphs and not self.cfg.device.startswith("cuda"):
+                spec = self._capture_spec(desc)
+            return self.graphs.get_or_capture(desc, fn, bufs, spec)
         finally:
             self.sink.records = records
+
+    def _capture_spec(self, desc: BatchDescriptor) -> CaptureSpec:
+        """The rank state a CPU capture reads, and the key of its code path: one trace
+        serves every rank and pooled engine whose forward reads the same Python values."""
+        m, g = self.model, self.model.g
+        live = [layer for layer in m.layers[m.start:m.end]]
+        slots = tuple(tensor_slots(m, *live, self.kv_caches))
+        roles = {self.sink_key: "sink", g.tp.op_key: "tp", g.pp.op_key: "pp", g.world.op_key: "world"}
+        # Config fields the forward never reads (its tensors are inputs, scheduling and
+        # capture policy happen outside it): engines differing only in them share traces.
+        forward_cfg = tuple((f.name, getattr(self.cfg, f.name)) for f in fields(self.cfg)
+                            if f.name not in NOT_READ_BY_FORWARD)
+        # And every Python scalar the model and its layers hold (layer range, head counts).
+        # The rank's TP coordinates are tensors the forward reads (LlamaForCausalLM), so the
+        # TP ranks of a stage share one trace.
+        held = tuple((k, v) for o in (m, *live) for k, v in vars(o).items()
+                     if isinstance(v, (int, float, str, torch.dtype)))
+        key = (forward_cfg, held, self.with_drafter,
+               desc, self._baked[desc], self.faults.names, self.forward_scalars())
+        return CaptureSpec(slots, roles, key)
 
     def _record_host(self, pb: PreparedBatch, baked, T: int, R: int) -> None:
         from engine.custom_ops import _record

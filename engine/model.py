@@ -160,13 +160,17 @@ class LlamaForCausalLM:
         self.is_first = g.pp_rank == 0
         self.is_last = g.pp_rank == cfg.pp - 1
         vshard = cfg.vocab_size // cfg.tp
-        self.vocab_start = g.tp_rank * vshard
-        self.embed = sd["model.embed_tokens.weight"][self.vocab_start:self.vocab_start + vshard].contiguous() \
+        vocab_start = g.tp_rank * vshard
+        # The rank's coordinates as tensors: read inside the forward as data, they leave a
+        # captured graph the same for every TP rank (engine/cpu_graph.py shares one trace).
+        self.vocab_start = torch.tensor(vocab_start)
+        self.tp_rank = torch.tensor([g.tp_rank])
+        self.embed = sd["model.embed_tokens.weight"][vocab_start:vocab_start + vshard].contiguous() \
             if self.is_first else PPMissingLayer()
         self.layers = [LlamaLayer(cfg, i, sd, g) if self.start <= i < self.end else PPMissingLayer()
                        for i in range(cfg.num_hidden_layers)]
         self.norm = sd["model.norm.weight"] if self.is_last else PPMissingLayer()
-        self.lm_head = sd["lm_head.weight"][self.vocab_start:self.vocab_start + vshard].to(
+        self.lm_head = sd["lm_head.weight"][vocab_start:vocab_start + vshard].to(
             accum_dtype(cfg.dtype)) if self.is_last else PPMissingLayer()
         D = cfg.head_dim
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
@@ -193,7 +197,9 @@ class LlamaForCausalLM:
 
     def scatter_seq(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a sequence-parallel residual (token count padded to tp)."""
-        return x.chunk(self.cfg.tp, dim=0)[self.g.tp_rank].contiguous()
+        tp = self.cfg.tp
+        rows = x.view(tp, x.shape[0] // tp, *x.shape[1:])  # the count is padded to a multiple of tp
+        return rows.index_select(0, self.tp_rank)[0]  # a tensor index: no host read
 
     def forward(self, input_ids, positions, intermediate: IntermediateTensors | None, attn,
                 return_hidden_states: bool = False):

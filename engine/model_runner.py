@@ -67,7 +67,8 @@ class GPUModelRunner:
         self.inputs = InputPreparer(cfg, faults, copier, self.bufs, m.is_last, self.drafter is not None)
         self.pp = PPStage(cfg, groups, faults, copier, T, m.is_last)
         self.graph_runner = CUDAGraphRunner(cfg, faults, m, self.kv_caches, self.bufs, self.builder,
-                                            self.sink, self._forward, self.drafter is not None)
+                                            self.sink, self._forward, self.drafter is not None,
+                                            self.sink_key, lambda: (self.scale,))
         self.graphs = self.graph_runner.graphs
         self.faults = faults
 

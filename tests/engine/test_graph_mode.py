@@ -43,10 +43,11 @@ def test_dispatcher_pads_to_smallest_size():
     assert CudagraphDispatcher((4, 6, 8), 8, multiple_of=4).dispatch(5, 1) == BatchDescriptor(8, 8)
 
 
-@pytest.mark.parametrize("layout", ["tp1pp1", "tp2pp4", "tp1pp8"])
-def test_graph_equals_eager_bitwise(layout):
-    eager = LLMEngine(BASE.replace(layout=layout))
-    graph = LLMEngine(BASE.replace(layout=layout, cudagraph_mode="FULL", capture_sizes=SIZES), record_fa=True)
+@pytest.mark.parametrize("layout,sp", [("tp1pp1", False), ("tp2pp4", False), ("tp1pp8", False), ("tp2pp2", True)])
+def test_graph_equals_eager_bitwise(layout, sp):
+    eager = LLMEngine(BASE.replace(layout=layout, sequence_parallel=sp))
+    graph = LLMEngine(BASE.replace(layout=layout, sequence_parallel=sp, cudagraph_mode="FULL", capture_sizes=SIZES),
+                      record_fa=True)
     try:
         for seed in range(2):
             a, b = run(eager, workload(seed)), run(graph, workload(seed))
@@ -64,6 +65,45 @@ def test_graph_equals_eager_bitwise(layout):
     finally:
         eager.shutdown()
         graph.shutdown()
+
+
+def test_a_python_value_changed_after_capture_does_not_reach_the_replay():
+    """A CUDA graph keeps the scalars of its capture; the CPU replay runs the captured graph,
+    so a runner attribute the forward reads (the attention scale), changed after capture,
+    changes eager logits but not replayed ones."""
+    reqs = [("a", [1, 2, 3], 3, 0)]  # every step fits size 8: all replays
+    graph = LLMEngine(BASE.replace(cudagraph_mode="FULL", capture_sizes=(8,)), record_fa=True)
+    eager = LLMEngine(BASE)
+    try:
+        g0, e0 = run(graph, reqs), run(eager, reqs)
+        assert all(r.graph for r in graph.collect_fa_records())
+        for e in (graph, eager):
+            e.executor.workers[0].runner.scale *= 4.0
+        g1, e1 = run(graph, reqs), run(eager, reqs)
+        assert not torch.equal(e0.tokens["a"][0].logits, e1.tokens["a"][0].logits)  # the change matters
+        for x, y in zip(g0.tokens["a"], g1.tokens["a"]):
+            assert torch.equal(x.logits, y.logits), f"step {y.step}: the replay saw the new scale"
+    finally:
+        graph.shutdown()
+        eager.shutdown()
+
+
+def test_tp_ranks_and_pooled_engines_share_one_trace_per_code_path():
+    """Tracing is the cost of a CPU capture: the TP ranks of a stage, and a second engine that
+    differs only in what the forward does not read (KV blocks, token budget), reuse it."""
+    from engine import cpu_graph
+
+    cpu_graph.clear_templates()
+    cfg = BASE.replace(layout="tp2pp1", cudagraph_mode="FULL", capture_sizes=(8,))
+    before = dict(cpu_graph.STATS)
+    for c in (cfg, cfg.replace(num_gpu_blocks=48, max_num_batched_tokens=12)):
+        eng = LLMEngine(c)
+        try:
+            run(eng, [("a", [1, 2, 3], 2, 0)])
+        finally:
+            eng.shutdown()
+    assert cpu_graph.STATS["traces"] - before["traces"] == 1  # one trace, 4 captures
+    assert cpu_graph.STATS["shared"] - before["shared"] == 3
 
 
 def test_padding_follows_vllm_rules():

@@ -1,0 +1,208 @@
+"""CPU graph capture: the rank's forward traced by make_fx, replayed as a CUDA graph replays.
+
+make_fx traces the forward in fake mode into an FX GraphModule. Every Python value the
+forward read while tracing (max_seqlen_q/k, the padded shape, the attention scale, which
+faults were on) is a constant of that graph, and every tensor it touched is an input bound
+at capture: the weights, the KV cache and the static buffers. Replay calls the GraphModule
+on those same tensors, so it reads live buffer contents with the scalars of its capture,
+and a Python-side value changed after capture does not reach it -- as with a CUDA graph.
+Attention, KV writes and collectives are custom ops, opaque to the trace: they run at
+replay with their captured scalar arguments, and the attention op records each call.
+
+Tracing costs ~50 ms per layer, and a campaign captures each (rank, size) of every pooled
+engine. So one trace serves every capture whose code path it is: a `CaptureSpec.share_key`
+names the code path (partition, options, faults, padded shape, baked scalars), the traced
+function takes the rank's tensors as inputs instead of closing over them, and the ints that
+name a rank's sink and groups in custom-op calls become inputs too. Sharing is verified,
+not assumed: a trace that still holds a tensor constant (state this module was not told
+about) or an unknown custom-op int is used by its own capture only, and a shared trace is
+reused only where the inputs its aten ops read (not only custom ops) have the same shapes.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch.fx import GraphModule
+from torch.utils import _pytree as pytree
+
+# make_fx keeps global tracing state and is not thread-safe: one trace at a time.
+CAPTURE_LOCK = threading.Lock()
+# Custom ops whose int arguments name per-rank state (a sink or group key): op -> arg index.
+_ROLE_ARGS = {"llmfuzz::unified_attention": (12,), "llmfuzz::all_reduce": (1,),
+              "llmfuzz::all_gather": (1,), "llmfuzz::reduce_scatter": (1,)}
+MAX_TEMPLATES = 512  # shared traces kept per process (~100 KB of graph code each)
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """Where the forward finds one piece of rank state: an attribute of an object or an
+    entry of a dict. Its value is a tensor or a tuple of tensors (a layer's K/V cache)."""
+
+    owner: object
+    key: object
+
+    def get(self):
+        return self.owner[self.key] if isinstance(self.owner, dict) else getattr(self.owner, self.key)
+
+    def set(self, value) -> None:
+        if isinstance(self.owner, dict):
+            self.owner[self.key] = value
+        else:
+            setattr(self.owner, self.key, value)
+
+
+def tensor_slots(*owners) -> list[Slot]:
+    """Every tensor attribute of the given objects, and every tensor (or tuple of tensors)
+    value of the given dicts, in a stable order."""
+    slots = []
+    for o in owners:
+        items = o.items() if isinstance(o, dict) else vars(o).items()
+        for k, v in items:
+            if isinstance(v, torch.Tensor) or (isinstance(v, tuple) and v and
+                                                all(isinstance(t, torch.Tensor) for t in v)):
+                slots.append(Slot(o, k))
+    return slots
+
+
+@dataclass(frozen=True, slots=True)
+class CaptureSpec:
+    """What a CPU capture needs beyond the function: the rank state it reads (as slots),
+    the ints naming this rank's sink and groups in custom-op calls (value -> role), and
+    the key of its code path (None: never share)."""
+
+    slots: tuple[Slot, ...]
+    roles: dict
+    share_key: tuple | None
+
+
+@dataclass(slots=True)
+class _Template:
+    gm: GraphModule
+    roles: tuple[str, ...]  # role placeholders, after state and buffer inputs
+    shape_inputs: tuple[int, ...]  # inputs read by aten ops: their shapes must match
+    shapes: tuple
+
+
+_TEMPLATES: "OrderedDict[tuple, list[_Template]]" = OrderedDict()
+STATS = {"traces": 0, "shared": 0}
+
+
+def capture(fn: Callable, static_args: list, spec: CaptureSpec) -> Callable:
+    """Trace fn (or reuse a shared trace of its code path) and return its replay: a
+    callable taking the static buffers, as `fn` does, bound to this rank's state now."""
+    state, tree = pytree.tree_flatten([s.get() for s in spec.slots])
+    inputs = state + list(static_args)
+    t = _find(spec.share_key, inputs)
+    if t is None:
+        t = _trace(fn, spec, state, tree, static_args)
+    role_values = tuple(_value_of(spec.roles, r) for r in t.roles)
+    gm = t.gm
+
+    def replay(*bufs):
+        return gm(*state, *bufs, *role_values)
+    return replay
+
+
+def _value_of(roles: dict, role: str) -> int:
+    for value, name in roles.items():
+        if name == role:
+            return value
+    raise KeyError(f"cpu graph: this rank has no {role!r} for a shared trace")
+
+
+def _find(key: tuple | None, inputs: list) -> _Template | None:
+    if key is None or key not in _TEMPLATES:
+        return None
+    _TEMPLATES.move_to_end(key)
+    for t in _TEMPLATES[key]:
+        if tuple(_shape(inputs[i]) for i in t.shape_inputs) == t.shapes:
+            STATS["shared"] += 1
+            return t
+    return None
+
+
+def _shape(x) -> tuple | None:
+    return (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else None
+
+
+def _trace(fn: Callable, spec: CaptureSpec, state: list, tree, static_args: list) -> _Template:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    n = len(state)
+
+    def traced(*flat):
+        # The rank's tensors become inputs for the length of the trace: the graph reads
+        # them through placeholders, not as constants of whichever rank traced it.
+        saved = [s.get() for s in spec.slots]
+        for s, v in zip(spec.slots, pytree.tree_unflatten(list(flat[:n]), tree)):
+            s.set(v)
+        try:
+            return fn(*flat[n:])
+        finally:
+            for s, v in zip(spec.slots, saved):
+                s.set(v)
+
+    inputs = state + list(static_args)
+    with CAPTURE_LOCK:
+        # Fake mode: collectives and KV writes do not execute while tracing; a host read of
+        # a device value fails here, as it would break a CUDA graph.
+        gm = make_fx(traced, tracing_mode="fake", _allow_non_fake_inputs=True)(*inputs)
+    STATS["traces"] += 1
+    roles, shareable = _lift_roles(gm, spec.roles)
+    shareable = shareable and not any(nd.op == "get_attr" and isinstance(getattr(gm, nd.target), torch.Tensor)
+                                      for nd in gm.graph.nodes)
+    shape_inputs = _shape_inputs(gm, len(inputs))
+    t = _Template(gm, roles, shape_inputs, tuple(_shape(inputs[i]) for i in shape_inputs))
+    if spec.share_key is not None and shareable:
+        _TEMPLATES.setdefault(spec.share_key, []).append(t)
+        _TEMPLATES.move_to_end(spec.share_key)
+        while len(_TEMPLATES) > MAX_TEMPLATES:
+            _TEMPLATES.popitem(last=False)
+    return t
+
+
+def _lift_roles(gm: GraphModule, roles: dict) -> tuple[tuple[str, ...], bool]:
+    """Turn the sink and group keys baked into custom-op calls into trailing inputs, one per
+    role. Returns the roles in input order, and whether every such int was a known role."""
+    g = gm.graph
+    placeholders = [nd for nd in g.nodes if nd.op == "placeholder"]
+    lifted: dict[str, torch.fx.Node] = {}
+    known = True
+    for nd in list(g.nodes):
+        idx = _ROLE_ARGS.get(getattr(getattr(nd.target, "_schema", None), "name", None), ()) \
+            if nd.op == "call_function" else ()
+        for i in idx:
+            value = nd.args[i]
+            role = roles.get(value)
+            if role is None:
+                known = False
+                continue
+            if role not in lifted:
+                with g.inserting_after(placeholders[-1] if not lifted else list(lifted.values())[-1]):
+                    lifted[role] = g.placeholder(f"role_{role}")
+            args = list(nd.args)
+            args[i] = lifted[role]
+            nd.args = tuple(args)
+    gm.recompile()
+    return tuple(lifted), known
+
+
+def _shape_inputs(gm: GraphModule, num_inputs: int) -> tuple[int, ...]:
+    """Indices of inputs some node other than a custom op reads: their shapes are baked into
+    the graph's aten calls (views, aranges). Inputs only handed to custom ops (the KV cache,
+    the block table) are read by the op at replay, whatever their size."""
+    placeholders = [nd for nd in gm.graph.nodes if nd.op == "placeholder"][:num_inputs]
+    out = []
+    for i, p in enumerate(placeholders):
+        if any(u.op != "call_function" or str(getattr(u.target, "namespace", "")) != "llmfuzz"
+               for u in p.users):
+            out.append(i)
+    return tuple(out)
+
+
+def clear_templates() -> None:
+    _TEMPLATES.clear()
