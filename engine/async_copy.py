@@ -3,7 +3,9 @@
 A rank's copies and compute launches form one ordered stream, as on a GPU stream. On CPU
 nothing runs asynchronously, so the copier models the stream: each copy stays pending until
 the Schedule lands it, a host `wait` forces it, or the compute launched after it starts
-(stream order). A pending copy reads its source when it lands, as DMA from pinned memory
+(stream order). A copy issued by running compute (a received PP tensor into its persistent
+buffer, on a side stream on a GPU) lands at once unless the Schedule delays it, as a small
+copy usually beats the next kernel: then it lands at a wait or when that compute ends. A pending copy reads its source when it lands, as DMA from pinned memory
 does, so a host write to the source before the copy landed is visible, deterministically,
 in the result. On CUDA the same API issues real `non_blocking` copies on a side stream with
 events, and the Schedule's delays become `torch.cuda._sleep` before each copy
@@ -42,13 +44,18 @@ class AsyncCopier:
         self._seq = 0
         self.computing: int | None = None  # microbatch whose compute is running now
         self.in_compute: list[CopyHandle] = []  # copies issued by the running compute
+        self.should_delay: Callable[[], bool] | None = None  # the Schedule's per-copy decision
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> CopyHandle:
         h = CopyHandle(self._seq, dst, src)
         self._seq += 1
         if self.computing is not None:
-            # Issued by the running compute: ordered inside it, lands at a wait or at its end.
+            # Issued by the running compute: lands now, or -- delayed by the Schedule -- at a
+            # wait or at the compute's end. Reading its destination before a wait is then
+            # the race of docs/bug_classes.md#intermediate_copy_unsynced.
             self.in_compute.append(h)
+            if not (not self.land_immediately and self.should_delay is not None and self.should_delay()):
+                self._land(h)
             return h
         self.stream.append(h)
         if self.land_immediately and len(self.stream) == 1:
@@ -151,7 +158,6 @@ class CudaAsyncCopier(AsyncCopier):
         super().__init__(land_immediately)
         self.device = torch.device(device)
         self.side = torch.cuda.Stream(self.device)
-        self.should_delay: Callable[[], bool] | None = None
         self.delay_cycles = GPU_COPY_DELAY_CYCLES
         self.num_delays = 0
         self._unstarted: list[int] = []  # launched microbatches whose kernels are not enqueued

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from engine.attention.reference import reshape_and_cache, varlen_attention
+from engine.attention.reference import FA2_PAGED_TILE_Q, reshape_and_cache, varlen_attention
 
 _keys = itertools.count(1)
 # Weak values: the registries only find an engine's groups and sinks while the engine owns
@@ -97,8 +97,11 @@ class AttentionSink:
     graph: bool = False
     num_reqs: int = 0  # live (unpadded) batch, for the invariant check
     num_actual_tokens: int = 0
-    tile_q: int | None = None
+    tile_q: int | None = FA2_PAGED_TILE_Q  # the reference kernel's row tile (None: exact cut)
     key_len_pad: int | None = None  # pad key work shapes to this (max_model_len): bitwise modes
+    # The memory the reference kernel writes its output into, [max tokens, heads, head_dim]:
+    # rows it does not launch keep what an earlier call left there, as GPU memory does.
+    attn_out: torch.Tensor | None = None
     backend: str = "reference"
     _snap: tuple | None = field(default=None, repr=False)  # this forward's metadata copy
 
@@ -179,7 +182,17 @@ def unified_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
                                    max_seqlen_k, block_table, scale)
     return varlen_attention(q, k_cache, v_cache, query_start_loc, max_seqlen_q, seq_lens, max_seqlen_k,
                             block_table, scale, causal=True, tile_q=s.tile_q if s is not None else None,
-                            key_len_pad=s.key_len_pad if s is not None else None)
+                            key_len_pad=s.key_len_pad if s is not None else None,
+                            out=_out_memory(s, q))
+
+
+def _out_memory(s: AttentionSink | None, q: torch.Tensor) -> torch.Tensor | None:
+    """The sink's output memory when it fits this call (a drafter's or a test's call may
+    have other shapes: those get NaN for rows not launched)."""
+    m = None if s is None else s.attn_out
+    if m is None or m.shape[0] < q.shape[0] or m.shape[1:] != q.shape[1:] or m.dtype != q.dtype:
+        return None
+    return m
 
 
 @unified_attention.register_fake

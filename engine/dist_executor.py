@@ -197,13 +197,13 @@ class DistExecutor(ExecutorMessages):
                 self._crash(self._dead(1.0) or [self.conns.index(conn)])
 
     # -- the executor API -----------------------------------------------------------------------
-    def reset(self, schedule: Schedule, faults: tuple[str, ...]) -> None:
+    def reset(self, schedule: Schedule, faults: tuple[str, ...], poison: str = "nan") -> None:
         if self._closed:
             raise RuntimeError("DistExecutor: reset after shutdown")
         if self.broken is not None or not self.procs:
             _reap(self.procs, self.conns)
             self._start()  # a failed Case cost its processes; the next one gets fresh ranks
-        self._broadcast(("reset", tuple(faults), schedule.copy_delay == 0.0, schedule))
+        self._broadcast(("reset", tuple(faults), schedule.copy_delay == 0.0, poison, schedule))
         self._wait(("reset",), "reset")
 
     def shutdown(self) -> None:

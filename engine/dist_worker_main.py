@@ -178,8 +178,8 @@ def recv_msg(conn):
 
 class PipeChannel(Channel):
     """A rank's end of its pipe to the driver. The driver's reset message carries the Case's
-    Schedule as a fourth element; it is applied here and stripped, so the Worker sees the
-    same ("reset", faults, land_immediately) as in the in-process world."""
+    Schedule as a last element; it is applied here and stripped, so the Worker sees the
+    same ("reset", faults, land_immediately, poison) as in the in-process world."""
 
     def __init__(self, conn, rank: int) -> None:
         self.conn, self.rank = conn, rank
@@ -201,11 +201,11 @@ class PipeChannel(Channel):
             self.inbox.append(recv_msg(self.conn))
         msg = self.inbox.popleft()
         if msg[0] == "reset":
-            _, faults, land_immediately, schedule = msg
+            _, faults, land_immediately, poison, schedule = msg
             # Each process draws its own decisions, reproducibly per Case seed and rank.
             self.sched = ScheduleDriver(Schedule.from_dict(
                 {**schedule.to_dict(), "seed": schedule.seed * 1000 + self.rank}))
-            msg = ("reset", faults, land_immediately)
+            msg = ("reset", faults, land_immediately, poison)
         return msg
 
     def has_message(self) -> bool:

@@ -40,6 +40,7 @@ from engine.config import EngineConfig
 from engine.custom_ops import AttentionSink, register_sink
 from engine.model import LlamaLayer, accum_dtype, linear, rms_norm
 from engine.parallel_state import RankGroups, SoloGroup
+from engine.poison import KV_POISON, fill_floats
 from engine.spec_decode import verify_greedy
 from engine.weights import layer_names
 
@@ -134,9 +135,9 @@ class EagleProposer:
         self.scale = D ** -0.5
         self.last_metadata: list[CommonAttentionMetadata] = []  # of the last propose(), for tests
 
-    def reset(self, poison: float) -> None:
-        for t in self.kv_caches[self.layer_idx]:
-            t.fill_(poison)
+    def reset(self, poison: str) -> None:
+        for i, t in enumerate(self.kv_caches[self.layer_idx]):
+            fill_floats(t, poison, f"draft_kv{i}", nan_value=KV_POISON)
 
     def step_metadata(self, positions: torch.Tensor, block_table: torch.Tensor) -> CommonAttentionMetadata:
         """One query token per request at `positions`; it attends to keys 0..position and

@@ -110,9 +110,9 @@ class InProcExecutor(ExecutorMessages):
         for ch in self.channels:
             ch.inbox.append(msg)
 
-    def reset(self, schedule: Schedule, faults: tuple[str, ...]) -> None:
+    def reset(self, schedule: Schedule, faults: tuple[str, ...], poison: str = "nan") -> None:
         self.world.set_schedule(schedule)
-        self._broadcast(("reset", tuple(faults), schedule.copy_delay == 0.0))
+        self._broadcast(("reset", tuple(faults), schedule.copy_delay == 0.0, poison))
         self._wait(("reset",), "reset")
 
     def shutdown(self) -> None:

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.async_copy import AsyncCopier, CopyHandle
+from engine.poison import fill_ints
 
-POISON_INT = -(2 ** 30)  # out-of-range index poison for int buffers
 
 
 class CpuGpuBuffer:
@@ -28,10 +28,10 @@ class CpuGpuBuffer:
             return copier.copy(self.gpu, self.cpu)
         return copier.copy(self.gpu[:n], self.cpu[:n])
 
-    def poison(self) -> None:
-        fill = float("nan") if self.cpu.dtype.is_floating_point else POISON_INT
-        self.cpu.fill_(fill)
-        self.gpu.fill_(fill)
+    def poison(self, mode: str, role: str, **stale) -> None:
+        """Both twins as a reset leaves them (engine/poison.py; `stale`: fill_ints' range)."""
+        for t in (self.cpu, self.gpu):
+            fill_ints(t, mode, role, **stale)
 
 
 @dataclass(slots=True)

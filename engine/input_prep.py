@@ -20,7 +20,8 @@ from engine.cuda_graph import BatchDescriptor, CudagraphDispatcher
 from engine.eagle import EagleInputs
 from engine.faults import (PP_SHARED_STAGING_BUFFER, PP_STALE_NEW_TOKEN_IDS, REORDER_PARTIAL_SWAP,
                            STALE_QUERY_START_LOC_TAIL, FaultSet)
-from engine.input_batch import POISON_INT, CachedRequestState, CpuGpuBuffer, InputBatch
+from engine.input_batch import CachedRequestState, CpuGpuBuffer, InputBatch
+from engine.poison import fill_ints
 from engine.scheduler import SchedulerOutput
 
 
@@ -53,11 +54,19 @@ class InputBuffers:
         self.seq_lens = CpuGpuBuffer(R, dtype=torch.int32, device=dev)
         self.slot_mapping = CpuGpuBuffer(T, dtype=torch.int64, device=dev)
         self.block_table = torch.zeros(R, cfg.max_blocks_per_req, dtype=torch.int32, device=dev)
+        self.cfg, self.max_num_reqs, self.max_num_tokens = cfg, R, T
 
-    def poison(self) -> None:
-        for buf in (self.input_ids, self.positions, self.query_start_loc, self.seq_lens, self.slot_mapping):
-            buf.poison()
-        self.block_table.fill_(POISON_INT)
+    def poison(self, mode: str) -> None:
+        """As a reset leaves them (engine/poison.py). Stale: an earlier batch's in-range ids,
+        positions, lengths, slots and blocks, and monotone query offsets."""
+        c, R, T = self.cfg, self.max_num_reqs, self.max_num_tokens
+        slots = c.num_gpu_blocks * c.block_size
+        self.input_ids.poison(mode, "input_ids", high=c.vocab_size, step=7)
+        self.positions.poison(mode, "positions", high=c.max_model_len)
+        self.query_start_loc.poison(mode, "query_start_loc", high=2 ** 30, step=max(1, T // R))
+        self.seq_lens.poison(mode, "seq_lens", low=1, high=c.max_model_len, step=5)
+        self.slot_mapping.poison(mode, "slot_mapping", low=c.block_size, high=slots, step=3)
+        fill_ints(self.block_table, mode, "block_table", low=1, high=c.num_gpu_blocks, step=1)
 
     def attn_metadata(self, builder: AttentionMetadataBuilder, pb: PreparedBatch, *,
                       padded: bool) -> CommonAttentionMetadata:
@@ -83,20 +92,23 @@ class InputPreparer:
         self.requests: dict[str, CachedRequestState] = {}
         self.input_batch = InputBatch(R, cfg.max_model_len, cfg.max_blocks_per_req,
                                       pin=cfg.device.startswith("cuda"))
+        # Sizes past the token budget are never captured (vLLM caps them the same way): the
+        # static buffers hold max_num_batched_tokens (+ SP padding) rows.
+        sizes = [s for s in cfg.capture_sizes if s <= cfg.max_num_batched_tokens]
         self.dispatcher = CudagraphDispatcher(
-            cfg.capture_sizes if cfg.cudagraph_mode == "FULL" else (), R,
+            sizes if cfg.cudagraph_mode == "FULL" else (), R,
             multiple_of=cfg.tp if cfg.sequence_parallel else 1)
         self._staging_copies: list[CopyHandle] = []
 
-    def reset(self) -> None:
+    def reset(self, poison: str) -> None:
         """Forget all requests and poison the persistent rows and buffers (after the copier
         synchronized, so no copy still reads them)."""
-        ib = self.input_batch
+        ib, c = self.input_batch, self.cfg
         self.requests.clear()
         ib.clear()
-        ib.token_ids.fill_(POISON_INT)
-        ib.block_table.table.fill_(POISON_INT)
-        self.bufs.poison()
+        fill_ints(ib.token_ids, poison, "token_ids", high=c.vocab_size, step=7)
+        fill_ints(ib.block_table.table, poison, "batch_block_table", low=1, high=c.num_gpu_blocks)
+        self.bufs.poison(poison)
 
     def prepare(self, so: SchedulerOutput) -> PreparedBatch:
         self._wait_for_staging_copies()

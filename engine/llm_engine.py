@@ -14,6 +14,7 @@ import torch
 
 from engine.config import ConfigError, EngineConfig
 from engine.faults import FaultSet
+from engine.poison import check_mode
 from engine.schedule import Schedule
 from engine.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
 from engine.spec_decode import NgramProposer, verify_greedy
@@ -59,8 +60,9 @@ class LLMEngine:
         self.reset()
 
     def reset(self, schedule: Schedule | None = None, faults: tuple[str, ...] = (),
-              scheduler_config: EngineConfig | None = None) -> None:
-        """Forget every request; ranks poison their buffers and KV cache. A scheduler_config
+              scheduler_config: EngineConfig | None = None, poison: str = "nan") -> None:
+        """Forget every request; ranks poison their buffers and KV cache (`poison`: NaN or
+        stale finite values, engine/poison.py). A scheduler_config
         may lower the token budget and the KV block count below what the ranks were built
         for (so one engine serves Cases that differ only in scheduling limits)."""
         sc = scheduler_config or self.cfg
@@ -80,7 +82,7 @@ class LLMEngine:
         self.in_flight: deque[tuple[SchedulerOutput, set[str]]] = deque()
         self.trace = Trace()
         self.step_count = 0
-        self.executor.reset(schedule or Schedule(), tuple(faults))
+        self.executor.reset(schedule or Schedule(), tuple(faults), check_mode(poison))
 
     def add_request(self, req_id: str, prompt_token_ids: list[int], max_tokens: int,
                     forced_token_ids: list[int] | None = None) -> None:

@@ -25,13 +25,13 @@ from engine.graph_runner import CUDAGraphRunner, check_before_replay
 from engine.input_prep import InputBuffers, InputPreparer, PreparedBatch
 from engine.model import IntermediateTensors, LlamaForCausalLM
 from engine.parallel_state import RankGroups
+from engine.poison import KV_POISON, fill_floats
 from engine.pp_stage import PPStage
 from engine.scheduler import SchedulerOutput
 
-__all__ = ["CAPTURE_FAULTS", "KV_POISON", "GPUModelRunner", "ModelRunnerOutput", "PreparedBatch",
+__all__ = ["CAPTURE_FAULTS", "GPUModelRunner", "ModelRunnerOutput", "PreparedBatch",
            "check_before_replay"]
 
-KV_POISON = 1.0e4  # finite: paged kernels load whole pages and 0 x NaN would be NaN
 
 
 @dataclass(slots=True)
@@ -60,6 +60,9 @@ class GPUModelRunner:
         self.fa_records: list | None = [] if record_fa else None
         self.sink = AttentionSink(groups.rank, self.fa_records, key_len_pad=cfg.max_model_len,
                                   backend=cfg.attention_backend)
+        # One output memory for the rank's attention calls, as the allocator hands a layer
+        # back what an earlier one freed: finite, stale, never cleared between calls.
+        self.sink.attn_out = torch.zeros(T, m.layers[m.start].num_heads, cfg.head_dim, dtype=dtype, device=dev)
         self.sink_key = register_sink(self.sink)
         # EAGLE drafts from the target's hidden states, which exist on the last stage only.
         self.drafter = EagleProposer(cfg, state_dict, groups.rank, self.fa_records) \
@@ -81,17 +84,19 @@ class GPUModelRunner:
         # The Worker sets each Case's faults on the runner: every phase must see the same set.
         self._faults = self.inputs.faults = self.pp.faults = self.graph_runner.faults = faults
 
-    def reset(self) -> None:
-        """Forget all requests and poison every persistent buffer, so a stale read fails
-        inside the Case that makes it."""
+    def reset(self, poison: str = "nan") -> None:
+        """Forget all requests and poison every persistent buffer (engine/poison.py: NaN, or
+        stale finite values), so a stale read shows inside the Case that makes it, and never
+        depends on the Cases before."""
         self.copier.synchronize()
-        self.inputs.reset()
-        self.pp.reset()
-        for k, v in self.kv_caches.values():
-            k.fill_(KV_POISON)
-            v.fill_(KV_POISON)
+        self.inputs.reset(poison)
+        self.pp.reset(poison)
+        for i, (k, v) in self.kv_caches.items():
+            fill_floats(k, poison, f"k{i}", nan_value=KV_POISON)
+            fill_floats(v, poison, f"v{i}", nan_value=KV_POISON)
+        fill_floats(self.sink.attn_out, poison, "attn_out")
         if self.drafter is not None:
-            self.drafter.reset(KV_POISON)
+            self.drafter.reset(poison)
         if self.fa_records is not None:
             self.fa_records.clear()
         # A fault is a property of the Case, so the layer split is re-derived per reset.

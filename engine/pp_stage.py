@@ -16,6 +16,7 @@ from engine.faults import (INTERMEDIATE_COPY_UNSYNCED, PP_ALLGATHER_NON_REPLICAT
                            PP_UNEVEN_PARTITION, SP_RESIDUAL_COPY_LEN, FaultSet)
 from engine.model import IntermediateTensors, LlamaForCausalLM
 from engine.parallel_state import RankGroups
+from engine.poison import fill_floats
 
 
 class PPStage:
@@ -30,9 +31,9 @@ class PPStage:
             for k in ("hidden_states", "residual")}
         self._stale_logits: torch.Tensor | None = None
 
-    def reset(self) -> None:
-        for t in self.intermediate_tensors.values():
-            t.fill_(float("nan"))
+    def reset(self, poison: str) -> None:
+        for k, t in self.intermediate_tensors.items():
+            fill_floats(t, poison, k)
         self._stale_logits = None
 
     def layer_end(self, m: LlamaForCausalLM) -> int:

@@ -63,10 +63,10 @@ class Worker:
             if kind == "step":
                 pending.append(self.runner.prepare(msg[1]))
             elif kind == "reset":
-                _, faults, land_immediately = msg
+                _, faults, land_immediately, poison = msg
                 self.runner.faults = FaultSet(faults)
                 self.copier.land_immediately = land_immediately
-                self.runner.reset()
+                self.runner.reset(poison)
                 chan.put(("reset",), True)
             elif kind == "records":
                 # Drained, not copied: an engine idle in the harness's pool would otherwise

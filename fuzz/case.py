@@ -12,11 +12,13 @@ from dataclasses import dataclass, field
 
 from engine.config import ConfigError, EngineConfig
 from engine.faults import FAULTS
+from engine.poison import POISON_MODES
 from engine.schedule import Schedule
 
 # 2: `fault_scope` (faults in the test run only, or in every run the harness makes).
 # 3: `target` and `target_options` (the engine a Case runs on, and that engine's switches).
-CASE_FORMAT = 3
+# 4: `poison` (what a reset leaves in persistent memory: NaN poison or stale finite values).
+CASE_FORMAT = 4
 TARGETS = ("reference", "vllm")
 PLAIN_FORMAT = 2  # what a reference-engine Case is written as (see Case.to_dict)
 FAULT_SCOPES = ("test", "everywhere")
@@ -57,6 +59,9 @@ class Case:
     # Part of the Case so that minimizing, hashing and reproducers carry them with it.
     target: str = "reference"
     target_options: dict = field(default_factory=dict, hash=False)
+    # What every engine reset leaves in the ranks' persistent memory (engine/poison.py):
+    # "nan" (loud) or "stale" (finite values of earlier batches, as GPU memory holds).
+    poison: str = "nan"
 
     @property
     def layout(self) -> str:
@@ -80,6 +85,8 @@ class Case:
             extra.append(f"schedule={self.schedule.to_dict()}")
         if self.target != "reference":
             extra.append(f"target={self.target}" + "".join(f"+{k}" for k, v in sorted(self.target_options.items()) if v))
+        if self.poison != "nan":
+            extra.append(f"poison={self.poison}")
         if self.faults:
             extra.append(f"faults={list(self.faults)}" + (" everywhere" if self.fault_scope == "everywhere" else ""))
         return (f"{self.layout} {self.mode} | {len(lens)} request(s), prompt lens {lens}, "
@@ -107,6 +114,8 @@ class Case:
                                       f"of {cfg.vocab_size}")
         if self.fault_scope not in FAULT_SCOPES:
             raise CaseFormatError(f"fault_scope: {self.fault_scope!r} is not one of {', '.join(FAULT_SCOPES)}")
+        if self.poison not in POISON_MODES:
+            raise CaseFormatError(f"poison: {self.poison!r} is not one of {', '.join(POISON_MODES)}")
         if self.target not in TARGETS:
             raise CaseFormatError(f"target: {self.target!r} is not one of {', '.join(TARGETS)}")
         if not isinstance(self.target_options, dict):
@@ -129,7 +138,9 @@ class Case:
         # A reference-engine Case is written exactly as format 2 wrote it: its JSON, and so its
         # reproducer id (a hash of it), stay what they were, and older llmfuzz still loads it.
         if self.target != "reference" or self.target_options:
-            d.update(format=CASE_FORMAT, target=self.target, target_options=dict(self.target_options))
+            d.update(format=3, target=self.target, target_options=dict(self.target_options))
+        if self.poison != "nan":  # likewise a NaN-poison Case stays as format 2 or 3 wrote it
+            d.update(format=CASE_FORMAT, poison=self.poison)
         return d
 
     def to_json(self) -> str:
@@ -164,9 +175,10 @@ class Case:
             scope = str(d.get("fault_scope", "test"))  # format 1 had test-run faults only
             target = str(d.get("target", "reference"))  # formats 1-2: the reference engine
             options = d.get("target_options", {})
+            poison = str(d.get("poison", "nan"))  # formats 1-3 ran with NaN poison
         except (KeyError, TypeError, ValueError) as e:
             raise CaseFormatError(f"case: malformed workload/schedule/faults ({type(e).__name__}: {e})") from None
-        case = cls(cfg, Workload(reqs), sched, faults, scope, target, options)
+        case = cls(cfg, Workload(reqs), sched, faults, scope, target, options, poison)
         case.validate()
         return case
 

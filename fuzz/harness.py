@@ -137,7 +137,7 @@ def max_steps_for(w: Workload) -> int:
 def drive(engine: LLMEngine, case: Case, schedule: Schedule, faults: tuple[str, ...],
           forced: dict[str, list[int]] | None) -> Trace:
     """Run the workload to completion on `engine` (arrivals by driver step)."""
-    engine.reset(schedule, faults, scheduler_config=case.config)
+    engine.reset(schedule, faults, scheduler_config=case.config, poison=case.poison)
     pending = sorted(enumerate(case.workload.requests), key=lambda p: (p[1].arrival_step, p[0]))
     step, limit = 0, max_steps_for(case.workload)
     while pending or engine.has_unfinished_requests():

@@ -12,6 +12,7 @@ import random
 from hypothesis import event, strategies as st
 
 from engine.config import EngineConfig, parse_layout
+from engine.poison import POISON_MODES
 from engine.schedule import Schedule
 from fuzz.case import Case, RequestSpec, Workload
 
@@ -30,6 +31,10 @@ CAMPAIGN_ORDER = ("tp1pp1", "tp2pp4", "tp1pp8", "tp1pp3", "tp2pp2", "tp1pp2", "t
                   "tp2pp1", "tp2pp3", "tp1pp4", "tp4pp1")
 MODES = ("eager", "graph")
 IMPLEMENTED_MODES = ("eager", "graph")
+# One Case in eight runs long prompts (up to 256 tokens, chunks up to 256): past the 64- and
+# 128-row tiles of FlashAttention's launch, so an understated max_seqlen_q changes logits
+# there, as on a GPU, instead of only tripping the invariant check.
+LONG = dict(max_model_len=512, budgets=(256, 64, 16), blocks=(192, 129), capture_sizes=(4, 8, 16, 32, 128, 256))
 
 
 def prompt_lengths(cfg: EngineConfig) -> st.SearchStrategy[int]:
@@ -92,32 +97,40 @@ def engine_configs(draw, layouts=DEFAULT_LAYOUTS, modes=("eager",), base: Engine
     allowed = tuple(m for m in modes if not (m == "graph" and base.device.startswith("cuda")
                                              and base.world == "inproc" and tp > 1))
     mode = draw(st.sampled_from(allowed or ("eager",)))  # CUDA graphs with tp>1 need NCCL
-    budget = draw(st.sampled_from((64, 16, 9, 5)))  # 64: no chunking for these prompts
-    blocks = draw(st.sampled_from((96, 24, 17)))  # 17 blocks of 4 just hold max_model_len 64
+    long = draw(st.sampled_from((False,) * 7 + (True,)))
+    if long:
+        budget, blocks = draw(st.sampled_from(LONG["budgets"])), draw(st.sampled_from(LONG["blocks"]))
+    else:
+        budget = draw(st.sampled_from((64, 16, 9, 5)))  # 64: no chunking for these prompts
+        blocks = draw(st.sampled_from((96, 24, 17)))  # 17 blocks of 4 just hold max_model_len 64
     sp = tp > 1 and draw(st.booleans())
     bcast = pp > 1 and draw(st.booleans())
-    graph = {}
+    extra = dict(max_model_len=LONG["max_model_len"]) if long else {}
     if mode == "graph":
         # One size set: every captured (rank, size) pair is paid once per pooled engine.
-        graph = dict(cudagraph_mode="FULL", capture_sizes=(4, 8, 16, 32))
+        extra.update(cudagraph_mode="FULL", capture_sizes=LONG["capture_sizes"] if long else (4, 8, 16, 32))
     method, k = draw(st.sampled_from((("none", 0), ("ngram", 2), ("ngram", 4), ("eagle", 2))))
     return base.replace(tensor_parallel_size=tp, pipeline_parallel_size=pp, max_num_batched_tokens=budget,
                         num_gpu_blocks=blocks, sequence_parallel=sp, broadcast_pp_output=bcast,
-                        speculative_method=method, num_speculative_tokens=k, **graph)
+                        speculative_method=method, num_speculative_tokens=k, **extra)
 
 
 @st.composite
 def cases(draw, layouts=DEFAULT_LAYOUTS, modes=("eager",), faults: tuple[str, ...] = (),
-          base: EngineConfig = FUZZ_MODEL, max_requests: int = 10) -> Case:
-    """A whole Case; labels its class with event() for Hypothesis statistics."""
+          base: EngineConfig = FUZZ_MODEL, max_requests: int = 10, poisons: tuple[str, ...] = POISON_MODES) -> Case:
+    """A whole Case; labels its class with event() for Hypothesis statistics. `poisons`: what
+    resets may leave in memory (engine/poison.py); campaigns alternate NaN and stale."""
     cfg = draw(engine_configs(layouts, modes, base))
     wl = draw(workloads(cfg, max_requests))
-    case = Case(cfg, wl, draw(schedules()), tuple(faults))
+    case = Case(cfg, wl, draw(schedules()), tuple(faults), poison=draw(st.sampled_from(tuple(poisons))))
     event(f"layout={case.layout}")
     event(f"mode={case.mode}")
     lens = [len(r.prompt_token_ids) for r in wl.requests]
     if max(lens) > cfg.max_num_batched_tokens:
         event("chunked prefill")
+    if max(lens) > 64:
+        event("prompt past a 64-row tile")
+    event(f"poison={case.poison}")
     if any(r.arrival_step for r in wl.requests):
         event("arrivals while running")
     if not case.schedule.is_default:

@@ -1,15 +1,25 @@
 """Reference attention backend: paged varlen attention in pure torch, FA contract taken literally.
 
-FlashAttention sizes its launch grid from the scalars it is given. This backend does the
-same: per sequence it computes only query rows below `max_seqlen_q` (rounded up to `tile_q`
-when given, like the GPU's row tiles) and keys below `max_seqlen_k`; every other output row
-is NaN. An understated scalar is therefore visible on CPU exactly where a GPU would produce
-garbage. Keys are gathered through the block table only below each sequence's `seqused_k`,
-so poisoned or out-of-range entries past the live batch are never touched.
+It computes what FlashAttention-2 launches, from the scalars it is given. FA2 launches
+ceil(max_seqlen_q / tile) row tiles per sequence (`FA2_PAGED_TILE_Q` = 64 rows with paged
+KV) and loops over each sequence's own key blocks (`seqused_k`), whatever `max_seqlen_k`
+says; it writes only the rows it launched, so every other row of the output keeps what
+that memory held before -- stale, finite values on a GPU. So
+does this backend, given the output memory (`out`): an understated max_seqlen_q changes a
+result only where a GPU's would change, in whole tiles, and leaves finite garbage, not NaN.
+`tile_q=None` cuts rows at max_seqlen_q exactly (for unit tests); without `out` the rows
+not computed are NaN. Keys are read within a work width of max(max_seqlen_k, key_len_pad):
+the engine pads it to max_model_len, so there an understated max_seqlen_k changes nothing,
+as on the GPU (only the invariant check sees it); without the pad, keys past max_seqlen_k
+fall outside the work and are dropped. Keys are gathered through the block table only below each
+sequence's `seqused_k`, so poisoned or out-of-range entries past the live batch are never
+touched.
 """
 from __future__ import annotations
 
 import torch
+
+FA2_PAGED_TILE_Q = 64  # query rows per FA2 thread block with a paged KV cache (kBlockM)
 
 
 def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -41,14 +51,28 @@ def varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      cu_seqlens_q: torch.Tensor, max_seqlen_q: int, seqused_k: torch.Tensor,
                      max_seqlen_k: int, block_table: torch.Tensor, softmax_scale: float,
                      causal: bool = True, tile_q: int | None = None,
-                     key_len_pad: int | None = None) -> torch.Tensor:
+                     key_len_pad: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, Hq, D]; caches: [num_blocks, block_size, Hkv, D]; returns [T, Hq, D].
+
+    `out`: the output memory, [>= T, Hq, D]. The computed rows are written into it, as the
+    kernel writes its output buffer, and rows not launched keep its earlier contents.
 
     Work shapes are padded (query rows to a multiple of 16, keys to `key_len_pad`) so a
     row's result does not depend on the batch's other sequences or on the scalars beyond
     what they include: eager and padded graph runs agree bitwise."""
     T, Hq, D = q.shape
-    out = torch.full_like(q, float("nan"))
+    res = _varlen_rows(q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k,
+                       block_table, softmax_scale, causal, tile_q, key_len_pad,
+                       torch.full_like(q, float("nan")) if out is None else out[:T].to(q.dtype, copy=True))
+    if out is not None:
+        out[:T].copy_(res)
+    return res
+
+
+def _varlen_rows(q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k, block_table,
+                 softmax_scale, causal, tile_q, key_len_pad, out: torch.Tensor) -> torch.Tensor:
+    """varlen_attention's computation: `out` (a fresh tensor) with the launched rows replaced."""
+    T, Hq, D = q.shape
     B = cu_seqlens_q.shape[0] - 1
     if B <= 0 or max_seqlen_q <= 0 or max_seqlen_k <= 0:
         return out
@@ -57,11 +81,11 @@ def varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     q_lens = cu[1:] - cu[:-1]
     k_lens = seqused_k[:B].to(dev, torch.long)
     rows = max_seqlen_q if tile_q is None else -(-max_seqlen_q // tile_q) * tile_q
-    Lq_valid, Lk_valid = int(rows), int(max_seqlen_k)
+    Lq_valid, Lk_valid = min(int(rows), T), int(max_seqlen_k)  # no sequence has more than T rows
     Lq = -(-Lq_valid // 16) * 16
     Lk = max(Lk_valid, key_len_pad or 0)
     j, q_valid, q_idx, qb = _gather_queries(q, cu, q_lens, Lq, Lq_valid)
-    p, k_valid, kb, vb = _gather_keys(k_cache, v_cache, block_table, k_lens, B, Lk, Lk_valid, Hq, D)
+    p, k_valid, kb, vb = _gather_keys(k_cache, v_cache, block_table, k_lens, B, Lk, Hq, D)
 
     # Accumulate wider than the inputs (fp64 for fp32, fp32 for half): a head's result then
     # does not depend on how many heads or sequences share the call.
@@ -88,14 +112,14 @@ def _gather_queries(q: torch.Tensor, cu: torch.Tensor, q_lens: torch.Tensor, Lq:
 
 
 def _gather_keys(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                 k_lens: torch.Tensor, B: int, Lk: int, Lk_valid: int, Hq: int,
+                 k_lens: torch.Tensor, B: int, Lk: int, Hq: int,
                  D: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Keys the kernel reads: p < min(seqused_k, max_seqlen_k), fetched page by page.
+    """Keys the kernel reads: p < seqused_k within the work width Lk, page by page.
     Returns (p [Lk], k_valid [B, Lk], kb and vb [B, Lk, Hq, D])."""
     bs, Hkv = k_cache.shape[1], k_cache.shape[2]
     dev = k_lens.device
     p = torch.arange(Lk, device=dev)
-    k_valid = p[None, :] < torch.clamp(k_lens, max=Lk_valid)[:, None]  # [B, Lk]
+    k_valid = p[None, :] < torch.clamp(k_lens, max=Lk)[:, None]  # [B, Lk]
     col = (p // bs).clamp(max=block_table.shape[1] - 1)
     blocks = block_table[:B].to(dev, torch.long)[:, col]  # [B, Lk]
     blocks = torch.where(k_valid, blocks, torch.zeros_like(blocks))

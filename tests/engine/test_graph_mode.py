@@ -124,24 +124,43 @@ def test_padding_follows_vllm_rules():
         eng.shutdown()
 
 
-def test_cpu_capture_bakes_scalars_like_a_cuda_graph():
-    """A graph captured while a short batch was live, its attention scalars baked from that
-    batch (fault graph_stale_max_seqlen), replayed with a longer query at the same size,
-    leaves exactly the rows past the baked max_seqlen_q as NaN, as the H200 kernel does."""
-    eng = LLMEngine(BASE.replace(cudagraph_mode="FULL", capture_sizes=(12,)), record_fa=True)
+# Long enough for queries past one 64-row tile (engine.attention.reference.FA2_PAGED_TILE_Q).
+LONG = BASE.replace(num_hidden_layers=2, max_num_batched_tokens=128, max_model_len=256, num_gpu_blocks=80)
+
+
+def _first_logits_after_short_capture(cfg, prompt_len, poison, faults=("graph_stale_max_seqlen",)):
+    eng = LLMEngine(cfg, record_fa=True)
     try:
-        eng.reset(faults=("graph_stale_max_seqlen",))
-        eng.add_request("short", [5, 6], 2)  # captures size 12 with max_seqlen_q = 2
+        eng.reset(faults=faults, poison=poison)
+        eng.add_request("short", [5, 6], 1)  # captures size 128 with max_seqlen_q = 2 baked
         eng.step()
-        eng.add_request("long", list(range(10)), 1)  # replays size 12 with a 10-token query
+        eng.add_request("long", [(7 * i) % 128 for i in range(prompt_len)], 1)  # replays size 128
         while eng.has_unfinished_requests():
             eng.step()
         recs = [r for r in eng.collect_fa_records() if r.graph]
-        long_call = next(r for r in recs if int((r.cu_seqlens_q[1:] - r.cu_seqlens_q[:-1]).max()) == 10)
-        assert long_call.max_seqlen_q == 2  # the baked scalar, visible in the replay's record
-        assert not torch.isfinite(eng.trace.tokens["long"][0].logits).all()
+        return eng.trace.tokens["long"][0].logits, recs
     finally:
         eng.shutdown()
+
+
+@pytest.mark.parametrize("poison", ["nan", "stale"])
+def test_a_stale_max_seqlen_q_leaves_whole_tiles_unlaunched_like_the_gpu(poison):
+    """The graph bakes max_seqlen_q = 2 from the batch that captured it (fault
+    graph_stale_max_seqlen); FA2 then launches one 64-row tile per sequence. A 60-token query
+    replayed at that size is computed whole: its logits are exact and only the call's record
+    shows the understated scalar, as on the H200. A 100-token query leaves rows 64..99 as the
+    output memory held them: NaN under NaN poison, finite stale values under stale poison;
+    wrong logits either way."""
+    cfg = LONG.replace(cudagraph_mode="FULL", capture_sizes=(128,))
+    right = {n: _first_logits_after_short_capture(cfg, n, poison, faults=())[0] for n in (60, 100)}
+    short_logits, recs = _first_logits_after_short_capture(cfg, 60, poison)
+    assert torch.equal(short_logits, right[60])
+    assert any(r.max_seqlen_q == 2 and int((r.cu_seqlens_q[1:] - r.cu_seqlens_q[:-1]).max()) == 60 for r in recs)
+    long_logits, _ = _first_logits_after_short_capture(cfg, 100, poison)
+    if poison == "nan":
+        assert not torch.isfinite(long_logits).all()
+    else:
+        assert torch.isfinite(long_logits).all() and not torch.allclose(long_logits, right[100], atol=1e-3)
 
 
 def test_baked_scalar_nan_rows_exactly_past_max_seqlen_q():

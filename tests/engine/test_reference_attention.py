@@ -2,9 +2,11 @@
 
 With correct scalars `varlen_attention` equals per-sequence naive causal attention over
 contiguous keys, whatever the paging. With an understated `max_seqlen_q` exactly the rows a
-GPU would leave uncomputed are NaN (rounded up to whole row tiles with `tile_q`); an
-understated `max_seqlen_k` silently drops keys. Nothing past a sequence's `seqused_k` is
-read: neither poisoned block-table entries nor KV-cache poison.
+GPU would leave uncomputed are NaN (rounded up to whole row tiles with `tile_q`), or keep the
+output memory's stale contents when given one; an understated `max_seqlen_k` drops keys only
+where the work width is bounded by it (no `key_len_pad`: FA2 itself reads each sequence's
+own keys). Nothing past a sequence's `seqused_k` is read: neither poisoned block-table
+entries nor KV-cache poison.
 """
 from __future__ import annotations
 
@@ -191,6 +193,34 @@ def test_understated_max_seqlen_k_changes_results():
             assert err > 1e-3, f"sequence {i}: k_len {b.k_lens[i]} > max_seqlen_k yet unchanged"
         else:
             assert err <= ATOL, f"sequence {i}: k_len {b.k_lens[i]} <= max_seqlen_k yet changed"
+
+
+def test_understated_max_seqlen_k_changes_nothing_with_the_engines_key_pad():
+    """FA2 loops over each sequence's own key blocks: the engine pads the key work to
+    max_model_len, and then max_seqlen_k, however small, drops nothing."""
+    b = make_batch([(1, 30), (6, 24), (2, 5), (5, 5)], seed=11)
+    exact = b.run(key_len_pad=32)
+    torch.testing.assert_close(b.run(max_seqlen_k=10, key_len_pad=32)[:b.num_tokens], exact[:b.num_tokens],
+                               atol=0, rtol=0)
+    assert_rows_match_naive(b, exact)
+
+
+def test_rows_not_launched_keep_the_output_memorys_stale_contents():
+    """Given the output memory, rows past the launched tiles keep what it held (finite, as GPU
+    memory is), the launched rows are written into it, and nothing is NaN."""
+    b = make_batch([(30, 30), (12, 25), (1, 7), (20, 20)], seed=2, block_size=8)
+    memory = torch.randn(b.q.shape[0] + 4, *b.q.shape[1:])
+    held = memory.clone()
+    out = b.run(max_seqlen_q=5, tile_q=8, out=memory)
+    assert torch.isfinite(out).all()
+    launched = torch.zeros(b.q.shape[0], dtype=torch.bool)
+    for i, ql in enumerate(b.q_lens):
+        launched[b.rows(i).start:b.rows(i).start + min(8, ql)] = True
+    assert torch.equal(out[~launched], held[:b.q.shape[0]][~launched])
+    assert torch.equal(memory[:b.q.shape[0]], out) and torch.equal(memory[b.q.shape[0]:], held[b.q.shape[0]:])
+    for i, ref in enumerate(b.naive()):
+        n = min(8, b.q_lens[i])
+        torch.testing.assert_close(out[b.rows(i)][:n], ref[:n], atol=ATOL, rtol=0)
 
 
 # -- nothing past seq_len is read ----------------------------------------------------------------
