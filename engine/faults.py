@@ -38,8 +38,11 @@ GRAPH_STALE_MAX_SEQLEN = register(
     "graph_stale_max_seqlen", where="engine/graph_runner.py: CUDAGraphRunner._capture_bounds",
     doc="The graph bakes max_seqlen_q / max_seqlen_k of the batch that "
         "triggered its capture instead of bounds valid for every batch of that size, so a replay "
-        "with a longer query leaves rows uncomputed (NaN here, garbage on a GPU). Minimum: tp1pp1 "
-        "graph, 2 requests (a short one captures the size, a longer one replays it). "
+        "with a longer query is launched with too few row tiles. Its rows past the last tile "
+        "keep stale output memory, here as on the H200 (FA2: 64-row tiles with paged KV), so "
+        "logits change only for a query past 64 tokens; the FA invariant check sees any. "
+        "Minimum: tp1pp1 graph, 2 requests (a short one captures the size, a longer one "
+        "replays it). "
         "See docs/bug_classes.md#graph_stale_max_seqlen.",
     needs="graph mode; a later batch with a longer query at the same captured size")
 PP_SHARED_STAGING_BUFFER = register(
@@ -68,10 +71,11 @@ SP_RESIDUAL_COPY_LEN = register(
 INTERMEDIATE_COPY_UNSYNCED = register(
     "intermediate_copy_unsynced", where="engine/pp_stage.py: PPStage._wait_for_copy",
     doc="The non_blocking copy of received IntermediateTensors into the "
-        "persistent PP buffer is not waited on before the stage reads the buffer. Minimum: tp1pp2, "
-        "1 request of 1 token. "
+        "persistent PP buffer is not waited on before the stage reads the buffer: when the copy "
+        "lands late, the stage reads the buffer's earlier contents. Minimum: tp1pp2, 1 request of "
+        "1 token, a schedule that delays copies. "
         "See docs/bug_classes.md#intermediate_copy_unsynced.",
-    needs="pp>=2")
+    needs="pp>=2; a schedule with copy_delay")
 PP_UNEVEN_PARTITION = register(
     "pp_uneven_partition", where="engine/pp_stage.py: PPStage.layer_end",
     doc="The layer split loses a layer when layers % pp != 0 (the last stage stops "

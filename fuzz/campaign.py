@@ -1,23 +1,24 @@
 """Campaign: a time-budgeted Hypothesis run over Cases, with progress, stats and reproducers.
 
 The one campaign loop for every target (fuzz.target: our engine, vLLM). It goes round the
-target's cells (layouts), one chunk of a few examples each, or visits each cell of a
+target's cells (layouts): a first round of one example each (every layout is visited before
+any gets a second), then chunks of a few examples each; or it visits each cell of a
 `sequential` target (vLLM: an engine start per cell) once for its share of the budget.
 `_find` runs Hypothesis on one chunk (a fresh seed each, or the example database in nightly
-mode) and returns the failures it found, shrunk as far as Hypothesis got; `_finish`
-minimizes each one further (fuzz.shrink, with the target's candidates), writes it, records
-it and prints it. The campaign goes on (or stops, with
-`stop_on_failure`, as selftest does). `_persist` is the one writer of reproducers: the first
-failure of a chunk is on disk the moment it is seen, so nothing is lost if the campaign is
-killed mid-shrink, and the final version replaces it.
+mode) and returns the failures it found, shrunk as far as Hypothesis got within the budget;
+`_finish` minimizes each one further within the budget (fuzz.shrink_phase, with the target's
+candidates), writes it, records it and prints it. The campaign goes on (or stops, with
+`stop_on_failure`, as selftest does). After the budget, the shrink phase finishes every
+failure the budget cut short (fuzz.shrink_phase.ShrinkPhase, `shrink_budget_s`). `_persist`
+and `_rewrite` are the writers of reproducers: the first failure of a chunk is on disk the
+moment it is seen, so nothing is lost if the campaign is killed mid-shrink, and each smaller
+version replaces the one before.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
 import sys
-import threading
 import time
 
 from hypothesis import HealthCheck, Phase, given, seed as hseed, settings, target
@@ -25,27 +26,18 @@ from hypothesis import HealthCheck, Phase, given, seed as hseed, settings, targe
 from fuzz.harness import Harness, pool_capacity_for
 from fuzz.isolated import make_harness
 from fuzz.properties import Violation
-from fuzz.reproduce import write_reproducer
-from fuzz.shrink import Shrinker, minimize
+from fuzz.findings import case_size
+from fuzz.recorder import Recorder
+from fuzz.shrink_phase import Pending, Shrunk, ShrinkPhase, shrink_one
+from fuzz.stop import check_stop, clear_stop, request_stop  # noqa: F401 (re-exported: the CLI, tests)
 from fuzz.strategies import FUZZ_MODEL
 from fuzz.target import (Cell, CellDatabase, CellStats, Failure, HarnessTarget, Summary,  # noqa: F401 (re-exported)
                          Target, Unsupported)
 
 
-# Set by the signal handler next to the KeyboardInterrupt it raises. The exception alone can be
-# lost: a signal that lands inside a gc callback (Hypothesis >= 6.170 installs one) or a
-# __del__ is printed as "Exception ignored" and dropped, and the campaign ran on to its budget.
-# Every example and shrink step checks the flag, so a lost interrupt costs at most one Case.
-_STOP = threading.Event()
-
-
-def request_stop() -> None:
-    _STOP.set()
-
-
-def check_stop() -> None:
-    if _STOP.is_set():
-        raise KeyboardInterrupt
+def _kind(v: Violation) -> tuple:
+    """What makes two failures the same one (fuzz.properties.same_failure)."""
+    return v.property, v.oracle, getattr(v, "signature", None)
 
 
 def _leaves(g: BaseExceptionGroup | None) -> list:
@@ -69,8 +61,11 @@ class Campaign:
                  harness: Harness | None = None, use_database: bool = False,
                  shrink_grace_s: float | None = None, isolate: str = "auto",
                  oracles: frozenset[str] = frozenset(), fault_scope: str = "test",
-                 target: Target | None = None, shrink_s: float | None = None, min_cell_s: float = 60.0) -> None:
+                 target: Target | None = None, shrink_s: float | None = None, min_cell_s: float = 60.0,
+                 shrink_budget_s: float | None = None, keep_stop: bool = False, poison: str | None = None) -> None:
         self.fault_scope = fault_scope  # "everywhere": the faults are in every run (selftest --everywhere)
+        self.poison = poison  # every Case's reset poison (engine/poison.py); None: drawn, alternating
+        self.keep_stop = keep_stop  # a stop set before `run` stops it too (selftest: one stop for all faults)
         self.use_database = use_database
         self.owns_target = harness is None and target is None  # closed by `run`; given ones are the caller's
         if target is None:
@@ -92,24 +87,36 @@ class Campaign:
         # twice; a Case's verdict is deterministic, so a passed one is not run again. Failing
         # Cases are never skipped: Hypothesis's shrinker must see them fail.
         self._passed: set[bytes] = set()
-        # The clock, started by `run`: the budget's end, and the hard deadline a bounded grace
-        # past it, where shrinking (which may overrun the budget) stops with what it has.
-        self._grace_s = shrink_grace_s if shrink_grace_s is not None else max(60.0, 0.5 * budget_s)
-        self._t0 = self._deadline = self._hard_deadline = self._chunk_end = 0.0
+        # The shrink phase after the budget (`shrink_grace_s`: its name before it was a phase).
+        shrink_budget_s = shrink_budget_s if shrink_budget_s is not None else shrink_grace_s
+        self.shrink_budget_s = shrink_budget_s if shrink_budget_s is not None else max(60.0, budget_s / 4)
+        self.shrink_report: dict | None = None  # what the shrink phase did (None: it had nothing to do)
+        self._pending: list[Pending] = []  # failures the budget cut short, for the shrink phase
+        # The clock, started by `run`: the budget's end; a chunk may end later (a sequential
+        # target's cell has a least time), and finding and shrinking within it stop at its end.
+        self._t0 = self._deadline = self._chunk_end = 0.0
         # The failure `_find` is after: the last (smallest) version Hypothesis has shown us,
         # and the file an unfinished failure is on disk as until `_finish` replaces it.
         self._best: Violation | None = None
-        self._unfinished_path: str | None = None
+        self.recorder = Recorder(out_dir, target, self.summary, progress)
+        self._found: dict[tuple, tuple[float, int]] = {}  # per failure kind in the chunk: (seconds, examples before)
         self._cell, self._row = None, None  # the cell being fuzzed (Cell), and its summary row
+
+    def _find_end(self) -> float:
+        """Where finding ends, and with it the shrinking a campaign does as it goes: the budget,
+        or the end of a chunk that runs past it."""
+        return max(self._deadline, self._chunk_end)
 
     def _body(self, case) -> None:
         check_stop()
         if self.fault_scope != case.fault_scope:
             case = dataclasses.replace(case, fault_scope=self.fault_scope)
+        if self.poison is not None and self.poison != case.poison:
+            case = dataclasses.replace(case, poison=self.poison)
         now = time.monotonic()
-        if now > self._hard_deadline or (now > self._chunk_end and self._best is None):
+        if now > self._find_end() or (now > self._chunk_end and self._best is None):
             # Out of time: the rest of the chunk passes untested (not counted); a shrink in
-            # progress stops and keeps the smallest failure seen so far.
+            # progress stops and keeps the smallest failure seen so far (the shrink phase goes on).
             return
         if not self.target.hypothesis_shrinks and self._best is not None:
             raise self._best  # Hypothesis replays the failure it saw: not worth another engine run
@@ -139,21 +146,27 @@ class Campaign:
         if self.summary.first_failure_s is None:
             self.summary.first_failure_s = time.monotonic() - self._t0
             self.summary.first_failure_examples = self.summary.examples + 1
+        self._found.setdefault(_kind(v), (time.monotonic() - self._t0, self.summary.examples))
         first, self._best = self._best is None, v
         if first and self._triage(v) == "new":
             self._persist(v, final=False)
 
+    def _persist(self, v: Violation, *, final: bool, minimal: bool = False) -> str | None:
+        found = self._found.get(_kind(v)) or (time.monotonic() - self._t0, self.summary.examples)
+        return self.recorder.persist(v, final=final, found=found, minimal=minimal)
+
     def _triage(self, v: Violation) -> str:
         return self.target.triage(v, [f for f in self.summary.failures if f.cell == self._cell.name])
 
-    def _hypothesis_test(self, cell: Cell, i: int):
-        """Chunk `i` on `cell` as a Hypothesis test. Nightly (`use_database` and a database
-        in the profile): random, and the example database replays the cell's saved failures
-        first. Otherwise a seed per chunk (which turns the database off): reproducible."""
+    def _hypothesis_test(self, cell: Cell, i: int, examples: int | None = None):
+        """Chunk `i` on `cell` as a Hypothesis test of `examples` examples (default: a chunk).
+        Nightly (`use_database` and a database in the profile): random, and the example
+        database replays the cell's saved failures first. Otherwise a seed per chunk (which
+        turns the database off): reproducible."""
         # Hypothesis runs the simplest Case first in every run (one short request, tp-only
         # options off): one extra example per chunk keeps `chunk` drawn ones. After the first
         # rotation the simplest Case is a skipped duplicate.
-        s = settings(max_examples=self.chunk + 1)
+        s = settings(max_examples=examples or self.chunk + 1)
         if not self.target.hypothesis_shrinks:  # the minimizer shrinks, within its deadline
             s = settings(s, deadline=None, database=None, phases=(Phase.explicit, Phase.generate),
                          suppress_health_check=list(HealthCheck))
@@ -167,14 +180,14 @@ class Campaign:
         test = s(given(cell.strategy)(body))
         return test if nightly else hseed(self.seed * 100003 + i)(test)
 
-    def _find(self, cell: Cell, i: int, end: float) -> tuple[list[Violation], bool]:
+    def _find(self, cell: Cell, i: int, end: float, examples: int | None = None) -> tuple[list[Violation], bool]:
         """Run chunk `i` on `cell` until `end`: the failures found, as small as Hypothesis got
-        them, and whether a stop (SIGINT/SIGTERM) ended the chunk. When a stop, or our hard
-        deadline (late replays pass: Hypothesis calls that flaky), cuts the shrink short, the
+        them, and whether a stop (SIGINT/SIGTERM) ended the chunk. When a stop, or the end of
+        finding (late replays pass: Hypothesis calls that flaky), cuts the shrink short, the
         smallest failure seen so far. Every exception Hypothesis raises is handled here."""
-        self._best, found, stopped, self._chunk_end = None, [], False, end
+        self._best, found, stopped, self._chunk_end, self._found = None, [], False, end, {}
         try:
-            self._hypothesis_test(cell, i)()
+            self._hypothesis_test(cell, i, examples)()
         except Violation as v:
             found = [v]
         except KeyboardInterrupt:
@@ -194,29 +207,6 @@ class Campaign:
         self._best = None
         return found, stopped
 
-    def _write(self, v: Violation) -> str | None:
-        """Write a reproducer; when the disk is full or the directory unwritable, print the
-        Case in full instead, so the failure is not lost, and remember it for the exit code."""
-        try:
-            return write_reproducer(self.out_dir, v.case, v.property, v.message, v.error_ratio,
-                                    v.oracle, v.second_opinion, self.target.reproducer_meta(v.case, v))
-        except OSError as e:
-            self.summary.write_errors += 1
-            sys.stderr.write(f"\nllmfuzz: cannot write reproducer to {self.out_dir} ({e.strerror or e}); "
-                             f"the failing Case follows as JSON:\n{v.case.to_json()}\n")
-            sys.stderr.flush()
-            return None
-
-    def _persist(self, v: Violation, *, final: bool) -> str | None:
-        """The one writer of reproducers: write `v` atomically, then remove the file of the
-        unfinished failure it supersedes (never one already recorded). `final`: `v` is
-        finished and its file stays; otherwise the next `_persist` replaces it."""
-        path = self._write(v)
-        old, self._unfinished_path = self._unfinished_path, None if final else path
-        if old and old != path and os.path.exists(old) and all(f.path != old for f in self.summary.failures):
-            os.unlink(old)
-        return path
-
     def _print_progress(self, force: bool = False) -> None:
         now = time.monotonic()
         tty = sys.stderr.isatty()
@@ -233,29 +223,39 @@ class Campaign:
 
     def _finish(self, v: Violation, shrink: bool = True) -> bool:
         """A failure found: triage it (a known one or a repeat is counted, not written);
-        minimize it further (unless `shrink` is off or the hard deadline passed), write it
-        once, record it in the summary, print it. True when a stop (SIGINT/SIGTERM) arrived
-        while minimizing: the smallest version so far is written."""
-        stopped, checks, verdict = False, 0, self._triage(v)
+        minimize it further within the budget (unless `shrink` is off or finding is over),
+        write it once, record it in the summary (one not minimal yet is left to the shrink
+        phase), print it. True when a stop (SIGINT/SIGTERM) arrived while minimizing: the
+        smallest version so far is written."""
+        verdict = self._triage(v)
         if verdict != "new":
             self._skip(v, verdict)
             return False
-        if shrink and time.monotonic() < self._hard_deadline:
-            v, stopped, checks = self._minimize(v)
-        path = self._persist(v, final=True)
-        case = v.case
+        t0, row = time.monotonic(), self.target.stats_key(v.case)  # counted where it was found
+        found_s, before = self._found.get(_kind(v)) or (t0 - self._t0, self.summary.examples)
+        r = Shrunk(v, 0, False)
+        if shrink and t0 < self._find_end():
+            deadline = self._find_end() if self.shrink_s is None else min(self._find_end(), t0 + self.shrink_s)
+            r = shrink_one(v, self.target, deadline, self.target.max_shrink_checks, check_stop)
+        v, case = r.violation, r.violation.case
+        path = self._persist(v, final=True, minimal=r.minimal)
         if path is None or not any(f.path == path for f in self.summary.failures):
-            self.summary.failures.append(Failure(v.property, v.message, case.describe(), path, v.error_ratio,
-                                                 v.oracle, v.second_opinion, self._cell.name,
-                                                 {"signature": getattr(v, "signature", None), "shrink_checks": checks,
-                                                  "row": self.target.stats_key(case)[0]}))
-            self.summary.cells.setdefault(self.target.stats_key(case), CellStats()).failures += 1
+            f = Failure(v.property, v.message, case.describe(), path, v.error_ratio, v.oracle, v.second_opinion,
+                        self._cell.name, {"signature": getattr(v, "signature", None), "shrink_checks": r.checks,
+                                          "row": self.target.stats_key(case)[0]},
+                        seconds_to_find=round(found_s, 2), examples_before=before, size=case_size(case),
+                        minimal=r.minimal, shrink_seconds=round(time.monotonic() - t0, 2))
+            self.summary.failures.append(f)
+            self.summary.cells.setdefault(row, CellStats()).failures += 1
+            if shrink and not r.stopped and not r.minimal and r.reproducible and path is not None:
+                self._pending.append(Pending(f, v, confirmed=r.checks > 0))
         if self.target.ends_cell(v):
             self._row.stopped = f"crashed ({v.property}: {getattr(v, 'signature', None)})"
         if self.progress:
             by = f" (against {v.oracle})" if v.oracle else ""
-            sys.stderr.write(f"\nFOUND {v.property}{by}: {v.message}\n  {case.describe()}\n  -> {path}\n")
-        return stopped
+            sys.stderr.write(f"\nFOUND {v.property}{by} after {found_s:.1f}s: {v.message}\n  {case.describe()}\n"
+                             f"  -> {path}{'' if r.minimal else ' (not minimal yet)'}\n")
+        return r.stopped
 
     def _skip(self, v: Violation, verdict: str) -> None:
         if verdict == "repeat":
@@ -265,29 +265,10 @@ class Campaign:
         self._row.known.append(sig)
         self._row.stopped = f"known failure {sig}"
 
-    def _minimize(self, v: Violation) -> tuple[Violation, bool, int]:
-        """Hypothesis shrank within one cell; try the target's simpler Cases (layouts, options,
-        configs) too. The smallest version that fails the same way (same property, oracle and
-        signature), whether a stop cut the search short (it keeps what it had), and the checks."""
-        sh = Shrinker(v, self.target.check, before=check_stop)
-        deadline = self._hard_deadline
-        if self.shrink_s is not None:
-            deadline = min(deadline, time.monotonic() + self.shrink_s)
-        try:
-            checks = 0
-            # A failure that does not happen again (a rank killed from outside, a flaky host)
-            # has no simpler version to find: one re-run instead of up to 80 passing candidates.
-            if not self.target.confirm_before_shrink or sh.still_fails(v.case):
-                _, checks = minimize(v.case, sh.still_fails, self.target.max_shrink_checks, deadline,
-                                     self.target.simpler)
-        except KeyboardInterrupt:
-            return sh.best, True, checks
-        return sh.best, False, checks
-
-    def _visit(self, cell: Cell, row: CellStats, i: int, end: float) -> bool:
+    def _visit(self, cell: Cell, row: CellStats, i: int, end: float, examples: int | None = None) -> bool:
         """One chunk on `cell`, its failures finished. True when the campaign should stop."""
         self._cell, self._row = cell, row
-        found, stopped = self._find(cell, i, end)
+        found, stopped = self._find(cell, i, end, examples)
         for v in found:  # after a stop, the rest are written as they are
             stopped = self._finish(v, shrink=not stopped) or stopped
         if stopped:
@@ -299,10 +280,12 @@ class Campaign:
         i = 0
         while time.monotonic() < self._deadline:
             check_stop()
-            # One cell per chunk, round robin: every layout gets its turn early. A layout's
-            # summary rows are per mode (stats_key), and a round-robin target never ends, skips
-            # or repeats a cell: its own row is a scratch one.
-            if self._visit(self.cells[i % len(self.cells)], CellStats(), i, self._deadline):
+            # One cell per chunk, round robin. The first round gives each cell one example (its
+            # simplest Case, engines built): on a short budget every layout is visited before any
+            # gets a second. A layout's summary rows are per mode (stats_key), and a round-robin
+            # target never ends, skips or repeats a cell: its own row is a scratch one.
+            first_round = i < len(self.cells) and len(self.cells) > 1
+            if self._visit(self.cells[i % len(self.cells)], CellStats(), i, self._deadline, 1 if first_round else None):
                 return
             i += 1
 
@@ -331,7 +314,7 @@ class Campaign:
     def _start(self, cell: Cell, row: CellStats) -> bool:
         """Start a sequential cell's engine: False when it is refused (unsupported) or fails
         to start (a failure, recorded without minimizing: every check would restart it)."""
-        self._cell, self._row = cell, row
+        self._cell, self._row, self._found = cell, row, {}
         if self.progress:
             sys.stderr.write(f"llmfuzz: cell {cell.name}: starting\n")
         try:
@@ -344,11 +327,34 @@ class Campaign:
             row.stopped = f"engine did not start ({getattr(v, 'signature', v.property)})"
         return False
 
+    def _shrink_phase(self) -> None:
+        """After the budget: minimize what it cut short, within `shrink_budget_s`."""
+        n = len(self._pending)
+        if self.progress:
+            sys.stderr.write(f"\nllmfuzz: shrink phase: {n} failure(s) not minimal yet, "
+                             f"budget {self.shrink_budget_s:.0f}s\n")
+            sys.stderr.flush()
+
+        def say(line: str) -> None:
+            if self.progress:
+                sys.stderr.write(f"llmfuzz: {line}\n")
+                sys.stderr.flush()
+        phase = ShrinkPhase(self.target, self.shrink_budget_s, self.recorder.rewrite, check_stop,
+                            max_checks=10 * self.target.max_shrink_checks, progress=say)
+        try:
+            stopped = phase.run(self._pending)
+        finally:
+            self.shrink_report = {"budget_s": round(self.shrink_budget_s, 1), "seconds": round(phase.seconds, 2),
+                                  "failures": n, "minimal": sum(bool(p.failure.minimal) for p in self._pending),
+                                  "interrupted": phase.stopped}
+        if stopped:
+            self.summary.interrupted = True
+
     def run(self) -> Summary:
         self._t0 = time.monotonic()
         self._deadline = self._t0 + self.budget_s
-        self._hard_deadline = self._deadline + self._grace_s
-        _STOP.clear()  # a stop belongs to the run it interrupted (tests call main() in-process)
+        if not self.keep_stop:
+            clear_stop()  # a stop belongs to the run it interrupted (tests call main() in-process)
         try:  # from here on, an interrupt still prints the summary and closes our target
             sys.stderr.write(f"llmfuzz: campaign started: {self.target.describe()}, "
                              f"budget {self.budget_s:.0f}s\n")
@@ -357,6 +363,8 @@ class Campaign:
                 self._run_sequential()
             else:
                 self._run_round_robin()
+            if self._pending and not self.summary.interrupted:
+                self._shrink_phase()
         except KeyboardInterrupt:
             self.summary.interrupted = True
         finally:

@@ -1,9 +1,10 @@
 """`llmfuzz`: run a campaign, replay or minimize a reproducer, list faults, generate a demo.
 
 Exit codes: 0 nothing failed (or a replayed case passes now), 1 a failure was found /
-reproduces, 2 bad input (one line on stderr naming the problem, before any rank starts),
+reproduces as recorded, 2 bad input (one line on stderr naming the problem, before any rank starts),
 3 a failure was found but its reproducer could not be written (the Case JSON went to
-stderr), 130 interrupted before a campaign could summarise, or a selftest interrupted (it prints
+stderr), 4 a replayed or minimized reproducer fails, but with another violation than the one
+it records (another property or kind of message), 130 interrupted before a campaign could summarise, or a selftest interrupted (it prints
 the faults run so far). A campaign interrupted by SIGINT or SIGTERM prints its summary so far
 and exits 0 or 1 as above.
 Torch is imported only by the commands that need it, so `llmfuzz --help` starts fast.
@@ -17,11 +18,11 @@ import sys
 from fuzz.cli_common import (EXIT_BAD_INPUT, EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK,  # noqa: F401
                               EXIT_UNWRITTEN, BadInput)
 from fuzz.cli_common import base_config as _base_config
-from fuzz.cli_common import load as _load
+from fuzz.cli_common import base_configs as _base_configs
 from fuzz.cli_common import load_profile as _load_profile
 from fuzz.cli_common import oracles as _oracles
 from fuzz.cli_common import parse_layouts as _parse_layouts
-from fuzz.cli_common import replay_oracles as _replay_oracles
+from fuzz.cli_replay import cmd_minimize, cmd_replay  # `replay` and `minimize`
 
 
 TARGETS = ("reference", "vllm")
@@ -42,9 +43,11 @@ def cmd_run(args) -> int:
             raise BadInput(f"--{opt.replace('_', '-')}: applies to --target vllm only")
     from engine.faults import FAULTS
     from fuzz.campaign import Campaign
+    from fuzz.findings import run_json, run_text
     from fuzz.strategies import CAMPAIGN_ORDER, IMPLEMENTED_MODES
 
-    base = _base_config(args)
+    bases = _base_configs(args)  # one per attention kernel: cells of the campaign (fuzz/kernel_cells.py)
+    base = bases[0]
     layouts = _parse_layouts(args.layouts, base) if args.layouts else list(CAMPAIGN_ORDER)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for m in modes:
@@ -57,89 +60,54 @@ def cmd_run(args) -> int:
         raise BadInput(f"--budget: {args.budget} is not a positive number of seconds")
     profile = _load_profile(args.profile)
     oracles = _oracles(args)
-    camp = Campaign(oracles=oracles, isolate=args.isolate, use_database=profile in ("nightly", "repro"), layouts=layouts, modes=modes, faults=tuple(args.fault), seed=args.seed,
-                    out_dir=args.out or "reproducers", budget_s=args.budget,
+    target = _kernel_cells(bases, layouts, modes, args, oracles)
+    camp = Campaign(target=target, oracles=oracles, isolate=args.isolate, poison=_poison(args), use_database=profile in ("nightly", "repro"), layouts=layouts, modes=modes, faults=tuple(args.fault), seed=args.seed,
+                    out_dir=args.out or "reproducers", budget_s=args.budget, shrink_budget_s=_shrink_budget(args),
                     stop_on_failure=bool(args.fault) and not args.keep_going,
                     progress=not args.json and not args.quiet, base=base)
-    summary = camp.run()  # closes the harness it made
+    try:
+        summary = camp.run()  # closes the harness it made (not a kernel-cells target's)
+    finally:
+        if target is not None:
+            target.close()
     if args.json:
-        print(json.dumps(summary.to_json(), indent=1))
+        print(json.dumps(run_json(summary, camp.shrink_report), indent=1))
     else:
-        print(summary.table())
-        for f in summary.failures:
-            by = f" (against {f.oracle})" if f.oracle else ""
-            print(f"\nFAILED {f.property}{by}: {f.message}\n  case: {f.case_desc}\n"
-                  f"  Reproduce with: llmfuzz replay {f.path}")
-        if summary.interrupted:
-            print("(interrupted: summary so far)")
+        print(run_text(summary, camp.shrink_report))
     if summary.write_errors:
         return EXIT_UNWRITTEN
     return EXIT_FAIL if summary.failures else EXIT_OK
 
 
-def _target(repro, args):
-    """The engine a reproducer's Case runs on (fuzz.target): ours, checked by every oracle (the
-    one that found the failure may have been sampled), or vLLM (fuzz/targets/vllm_cli.py)."""
-    if repro.case.target == "vllm":
-        from fuzz.targets.vllm_cli import replay_target
+def _poison(args) -> str | None:
+    """--poison: what every engine reset leaves in memory (engine/poison.py); "both" (the
+    default): each Case draws NaN or stale, so a campaign alternates them."""
+    from engine.poison import POISON_MODES
 
-        return replay_target(repro)
+    if args.poison not in (*POISON_MODES, "both"):
+        raise BadInput(f"--poison: {args.poison!r} is not one of {', '.join(POISON_MODES)}, both")
+    return None if args.poison == "both" else args.poison
+
+
+def _shrink_budget(args) -> float | None:
+    """--shrink-budget: seconds for the shrink phase after the budget (None: its default)."""
+    if args.shrink_budget is not None and not 0 <= args.shrink_budget < float("inf"):
+        raise BadInput(f"--shrink-budget: {args.shrink_budget} is not a number of seconds >= 0")
+    return args.shrink_budget
+
+
+def _kernel_cells(bases, layouts, modes, args, oracles):
+    """On CUDA every kernel is a cell and the summary names it (fuzz/kernel_cells.py); None:
+    the Campaign's own target (the CPU, one reference kernel)."""
+    if bases[0].device == "cpu":
+        return None
+    from fuzz.harness import pool_capacity_for
     from fuzz.isolated import make_harness
-    from fuzz.target import HarnessTarget
+    from fuzz.kernel_cells import KernelCells
 
-    return HarnessTarget(make_harness(repro.case.config.device, getattr(args, "isolate", "auto"),
-                                      oracles=_oracles(args) or _replay_oracles()))
-
-
-def cmd_replay(args) -> int:
-    from fuzz.properties import Violation
-    from fuzz.reproduce import replay_report
-
-    repro = _load(args.file)
-    target = _target(repro, args)
-    violation = None
-    try:
-        target.check(repro.case)
-    except Violation as v:
-        violation = v
-    finally:
-        target.close()
-    if repro.case.target == "vllm":
-        from fuzz.targets.vllm_cli import replay_output
-
-        replay_output(args, repro, violation, target)
-    elif args.json:
-        print(json.dumps({"file": args.file, "reproduces": violation is not None,
-                          "property": getattr(violation, "property", None),
-                          "oracle": getattr(violation, "oracle", None),
-                          "message": str(violation) if violation else None,
-                          "recorded_property": repro.property}))
-    else:
-        print(replay_report(repro, violation))
-    return EXIT_FAIL if violation is not None else EXIT_OK
-
-
-def cmd_minimize(args) -> int:
-    from fuzz.reproduce import write_reproducer
-    from fuzz.shrink import Shrinker, minimize
-
-    repro = _load(args.file)
-    target = _target(repro, args)
-    # Kept when it fails with the recorded property (the oracle may differ: sampled ones).
-    sh = Shrinker(None, target.check, same=lambda v, _: v.property == repro.property)
-    try:
-        if not sh.still_fails(repro.case):
-            print(f"{args.file}: does not fail with {repro.property} now; nothing to minimize")
-            return EXIT_OK
-        small, checks = minimize(repro.case, sh.still_fails, simpler=target.simpler)
-        sh.still_fails(small)
-        v = sh.best
-        meta = target.reproducer_meta(small, v)
-    finally:
-        target.close()
-    path = write_reproducer(args.out, small, v.property, v.message, v.error_ratio, v.oracle, v.second_opinion, meta)
-    print(f"minimized in {checks} checks: {small.describe()}\n  {v.property}: {v.message}\n  -> {path}")
-    return EXIT_FAIL
+    harness = make_harness(bases[0].device, args.isolate,
+                           pool_capacity_for(len(layouts) * len(bases), len(modes)), oracles)
+    return KernelCells(harness, layouts, modes, tuple(args.fault), bases)
 
 
 def cmd_faults(args) -> int:
@@ -171,10 +139,12 @@ def cmd_selftest(args) -> int:
     _load_profile(args.profile)
     base = _base_config(args)
     results = run_selftest(names, args.budget_per_fault, args.out, args.seed, progress=not args.json, base=base,
-                           isolate=args.isolate, everywhere=args.everywhere, oracles=_oracles(args))
+                           isolate=args.isolate, everywhere=args.everywhere, oracles=_oracles(args),
+                           poison=_poison(args))
     if args.json:
         print(json.dumps({**summary_json(results), "dtype": base.dtype, "device": base.device,
                           "attention_backend": base.attention_backend, "everywhere": args.everywhere,
+                          "poison": args.poison,
                           "budget_per_fault": args.budget_per_fault, "seed": args.seed}, indent=1))
     else:
         print(table(results))
@@ -218,9 +188,12 @@ def _option_parents() -> dict[str, argparse.ArgumentParser]:
     engine = argparse.ArgumentParser(add_help=False)
     engine.add_argument("--device", default="cpu")
     engine.add_argument("--world", default="inproc", choices=("inproc", "torch"))
-    engine.add_argument("--dtype", default="float32", help="model dtype: float32 (default), bfloat16, float16")
-    engine.add_argument("--attention-backend", default="reference",
-                        help="reference (default), torch_flash (PyTorch's FlashAttention-2 kernel, CUDA), flash_attn")
+    engine.add_argument("--dtype", default=None, help="model dtype: float32, bfloat16, float16 (default: float32 "
+                        "on the CPU, bfloat16 on CUDA unless --attention-backend reference)")
+    engine.add_argument("--attention-backend", default=None,
+                        help="reference (the CPU default), torch_flash (PyTorch's FlashAttention-2 kernel, CUDA), "
+                             "flash_attn (flash-attn-4's flash_attn.cute, or FlashAttention-2); `run` takes a comma "
+                             "list, each kernel a cell (default on CUDA: torch_flash, plus flash_attn if importable)")
     fuzz_oracles = argparse.ArgumentParser(add_help=False)
     fuzz_oracles.add_argument("--oracle", default=None,
                               help="oracles that check every Case: reference, solo, transformers, determinism, all "
@@ -239,6 +212,8 @@ def _add_run_parser(sub, parents: list[argparse.ArgumentParser]) -> None:
     r.add_argument("--keep-going", action="store_true",
                    help="with --fault, keep fuzzing after the first failure (default: stop)")
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--poison", default="both", help="what resets leave in memory: nan, stale (finite values of "
+                   "earlier batches, as GPU memory holds) or both (default: each Case draws one)")
     r.add_argument("--out", default=None, help="reproducer directory (default reproducers/; reproducers/vllm "
                    "with --target vllm)")
     r.add_argument("--profile", default=None, help="Hypothesis profile: dev, ci, nightly, repro")
@@ -276,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--fault", action="append", default=[], help="only these faults (repeatable)")
     st.add_argument("--out", default="reproducers/faults")
     st.add_argument("--seed", type=int, default=0)
+    st.add_argument("--poison", default="both", help="nan, stale or both (default: each Case draws one)")
     st.add_argument("--profile", default=None)
     st.add_argument("--everywhere", action="store_true",
                     help="switch each fault on in every run the harness makes (reference included), as a "
@@ -305,13 +281,25 @@ def build_parser() -> argparse.ArgumentParser:
 def _terminate_as_interrupt(signum, frame) -> None:
     # SIGTERM (a CI time limit, `kill`) stops a campaign the way Ctrl-C does: failures found so
     # far are already on disk, the summary so far is printed, the exit code says what was found.
-    from fuzz.campaign import request_stop
+    from fuzz.stop import StopRequested, request_stop
 
-    request_stop()  # in case the exception below is swallowed (see fuzz.campaign._STOP)
-    raise KeyboardInterrupt
+    request_stop()  # in case the exception below is swallowed (see fuzz.stop)
+    raise StopRequested  # not a bare KeyboardInterrupt: see fuzz.stop.StopRequested
 
 
-def main(argv: list[str] | None = None) -> int:
+def _stop_after_command(signum, frame) -> None:
+    # The command is done and the process is exiting: a signal now only sets the flag. Raising
+    # would land in interpreter teardown (a traceback, or a death by SIGINT), and the default
+    # SIGTERM action would kill the process before it could exit with its code.
+    from fuzz.stop import request_stop
+
+    request_stop()
+
+
+def main(argv: list[str] | None = None, *, restore_signals: bool = True) -> int:
+    """Run one command. `restore_signals`: put the SIGINT/SIGTERM handlers back as they were
+    when done (main() called in-process, by tests); the `llmfuzz` command keeps a handler
+    that only sets the stop flag until it exits (`_stop_after_command`)."""
     import signal
 
     args = build_parser().parse_args(argv)
@@ -322,21 +310,30 @@ def main(argv: list[str] | None = None) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             saved[sig] = signal.signal(sig, _terminate_as_interrupt)
     try:
-        return args.fn(args)
-    except BadInput as e:
-        print(f"llmfuzz: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        print("llmfuzz: interrupted", file=sys.stderr)
+        try:
+            return args.fn(args)
+        except BadInput as e:
+            print(f"llmfuzz: {e}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        except KeyboardInterrupt:
+            print("llmfuzz: interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
+    except KeyboardInterrupt:  # a second signal while the first was being reported
         return EXIT_INTERRUPTED
     finally:
         for sig, handler in saved.items():  # main() called in-process (tests) leaves no trace
+            if not restore_signals:
+                handler = _stop_after_command
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 def console_main() -> int:
-    """The `llmfuzz` command: `main`, then a process exit that a stuck rank cannot abort."""
-    code = main()
+    """The `llmfuzz` command (and `python -m fuzz.cli`): `main`, then a process exit that a
+    stuck rank cannot abort. A signal at any point ends it with a code: 130 if main had none."""
+    try:
+        code = main(restore_signals=False)
+    except KeyboardInterrupt:  # before main's handlers were installed, or while it put them back
+        code = EXIT_INTERRUPTED
     _exit_past_stuck_ranks(code)
     return code
 

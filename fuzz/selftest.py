@@ -7,13 +7,14 @@ the first failure or its budget; the shrunk reproducer is written and measured.
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import asdict, dataclass
 
 from engine.faults import FAULTS
 from fuzz.campaign import Campaign
 from fuzz.harness import pool_capacity_for
 from fuzz.isolated import make_harness
-from fuzz.reproduce import load_reproducer
+from fuzz.stop import check_stop, clear_stop, stop_requested
 from fuzz.strategies import CAMPAIGN_ORDER, FUZZ_MODEL
 
 
@@ -33,42 +34,73 @@ class FaultResult:
     interrupted: bool = False  # SIGINT/SIGTERM stopped this fault's campaign (and the selftest)
     oracle: str | None = None  # what the failing run was compared against (None: a check of the run alone)
     second_opinion: str | None = None  # the transformers oracle on the same Case
+    minimal: bool | None = None  # the reproducer is minimal as far as the minimizer tried
+    shrink_seconds: float | None = None  # spent minimizing it (campaign and shrink phase)
 
 
 def run_selftest(faults: list[str] | None = None, budget_per_fault: float = 60.0, out_dir: str = "reproducers/faults",
                  seed: int = 0, progress: bool = True, base=FUZZ_MODEL, isolate: str = "auto",
                  shrink_grace_s: float | None = None, everywhere: bool = False,
-                 oracles: frozenset[str] = frozenset()) -> list[FaultResult]:
-    """With `everywhere`, each fault is on in every run the harness makes (reference
+                 oracles: frozenset[str] = frozenset(), poison: str | None = None) -> list[FaultResult]:
+    """`poison`: what every reset leaves in memory ("nan" or "stale", engine/poison.py;
+    None: each Case draws one). With `everywhere`, each fault is on in every run the harness makes (reference
     included), as a real bug in shared code would be: only the oracles that do not share
-    the faulty code (solo, transformers) and the run-alone checks can then see it."""
+    the faulty code (solo, transformers) and the run-alone checks can then see it.
+    `shrink_grace_s`: each fault's shrink phase (fuzz.campaign; default max(60 s, budget/4)).
+
+    A stop (SIGINT/SIGTERM) at any point, inside a fault's campaign or between two, ends the
+    selftest with the faults run so far, the last one marked interrupted: never an exception."""
     names = faults or list(FAULTS)
-    # Engines are shared across faults: reset switches faults per Case.
-    harness = make_harness(base.device, isolate, pool_capacity_for(len(CAMPAIGN_ORDER), 2), oracles)
-    results = []
+    clear_stop()  # from here on a stop is this selftest's: the campaigns below leave the flag set
+    results: list[FaultResult] = []
+    current, t0, harness = names[0] if names else None, time.monotonic(), None
     try:
+        # Engines are shared across faults: reset switches faults per Case.
+        harness = make_harness(base.device, isolate, pool_capacity_for(len(CAMPAIGN_ORDER), 2), oracles)
         for name in names:
+            check_stop()
+            current, t0 = name, time.monotonic()
             camp = Campaign(layouts=CAMPAIGN_ORDER, modes=("eager", "graph"), faults=(name,), seed=seed,
                             out_dir=out_dir, budget_s=budget_per_fault, chunk=3, stop_on_failure=True,
-                            progress=progress, base=base, harness=harness, shrink_grace_s=shrink_grace_s,
-                            fault_scope="everywhere" if everywhere else "test")
+                            progress=progress, base=base, harness=harness, shrink_budget_s=shrink_grace_s,
+                            fault_scope="everywhere" if everywhere else "test", keep_stop=True, poison=poison)
             s = camp.run()
-            if s.failures:
-                f = s.failures[0]
-                case = load_reproducer(f.path).case
-                results.append(FaultResult(
-                    name, True, round(s.first_failure_s, 2), s.first_failure_examples, f.property,
-                    len(case.workload.requests), case.workload.num_prompt_tokens, case.layout, case.mode,
-                    f.path, round(s.seconds, 2), oracle=f.oracle, second_opinion=f.second_opinion))
-            else:
-                results.append(FaultResult(name, False, None, None, None, None, None, None, None, None,
-                                           round(s.seconds, 2)))
-            if s.interrupted:
+            results.append(_result(name, s))
+            current = None
+            if s.interrupted or stop_requested():
                 results[-1].interrupted = True
                 break  # the faults after it are not run: the caller reports the selftest as stopped
+    except KeyboardInterrupt:
+        _mark_interrupted(results, current, t0)
     finally:
-        harness.close()
+        try:
+            if harness is not None:
+                harness.close()
+        except KeyboardInterrupt:  # a signal while the engines shut down: the results stand
+            _mark_interrupted(results, None, t0)
     return results
+
+
+def _result(name: str, s) -> FaultResult:
+    """One fault's row from its campaign's summary."""
+    if not s.failures:
+        return FaultResult(name, False, None, None, None, None, None, None, None, None, round(s.seconds, 2))
+    f = s.failures[0]
+    size = f.size or {}
+    return FaultResult(name, True, round(s.first_failure_s, 2), s.first_failure_examples, f.property,
+                       size.get("requests"), size.get("tokens"), size.get("layout"), size.get("mode"),
+                       f.path, round(s.seconds, 2), oracle=f.oracle, second_opinion=f.second_opinion,
+                       minimal=f.minimal, shrink_seconds=f.shrink_seconds)
+
+
+def _mark_interrupted(results: list[FaultResult], current: str | None, t0: float) -> None:
+    """A stop outside a campaign's own handling: the fault in progress (if any) is reported as
+    interrupted, not detected; otherwise the last fault run is the interrupted one."""
+    if current is not None:
+        results.append(FaultResult(current, False, None, None, None, None, None, None, None, None,
+                                   round(time.monotonic() - t0, 2), interrupted=True))
+    elif results:
+        results[-1].interrupted = True
 
 
 def summary_json(results: list[FaultResult]) -> dict:

@@ -46,6 +46,50 @@ def test_cpu_compute_starts_after_the_copies_launched_before_it():
     cp.end_compute(0)
 
 
+def test_cpu_copy_inside_compute_lands_at_once_unless_the_schedule_delays_it():
+    """As on a GPU, where a small side-stream copy usually beats the next kernel: without a
+    wait the compute reads the destination stale only when the copy is delayed."""
+    for delay, expect in ((False, [1, 2, 3]), (True, [0, 0, 0])):
+        cp = AsyncCopier(land_immediately=False)
+        cp.should_delay = lambda delay=delay: delay
+        dst = torch.zeros(3, dtype=torch.int64)
+        cp.start_compute(0)
+        h = cp.copy(dst, torch.tensor([1, 2, 3]))
+        assert dst.tolist() == expect and h.landed == (not delay)
+        cp.end_compute(0)  # nothing issued by a compute outlives it
+        assert dst.tolist() == [1, 2, 3]
+
+
+@pytest.mark.parametrize("poison", ["nan", "stale"])
+def test_an_unsynced_receive_copy_fails_only_under_a_schedule_that_delays_it(poison):
+    """intermediate_copy_unsynced is a real race: under the default schedule the receive copy
+    has landed before the stage reads it (logits exact); with copies delayed the stage reads
+    the buffer's earlier contents (finite and wrong under stale poison, NaN under NaN)."""
+    from engine import EngineConfig, LLMEngine
+    from engine.schedule import Schedule
+
+    eng = LLMEngine(EngineConfig(num_hidden_layers=2, pipeline_parallel_size=2, max_model_len=32, num_gpu_blocks=16))
+
+    def first_logits(schedule, faults):
+        eng.reset(schedule, faults, poison=poison)
+        eng.add_request("a", [3, 1, 4], 1)
+        while eng.has_unfinished_requests():
+            eng.step()
+        return eng.trace.tokens["a"][0].logits
+
+    try:
+        right = first_logits(Schedule(), ())
+        fault = ("intermediate_copy_unsynced",)
+        assert torch.equal(first_logits(Schedule(), fault), right)
+        late = first_logits(Schedule(copy_delay=1.0), fault)
+        if poison == "nan":
+            assert not torch.isfinite(late).all()
+        else:
+            assert torch.isfinite(late).all() and (late - right).abs().max() > 1e-2
+    finally:
+        eng.shutdown()
+
+
 def test_make_copier_picks_the_device_model():
     assert type(make_copier("cpu")) is AsyncCopier
 
