@@ -21,6 +21,7 @@ reused only where the inputs its aten ops read (not only custom ops) have the sa
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
@@ -88,7 +89,7 @@ class _Template:
 
 
 _TEMPLATES: "OrderedDict[tuple, list[_Template]]" = OrderedDict()
-STATS = {"traces": 0, "shared": 0}
+STATS = {"traces": 0, "shared": 0, "trace_seconds": 0.0}  # this process's captures (llmfuzz bench)
 
 
 def capture(fn: Callable, static_args: list, spec: CaptureSpec) -> Callable:
@@ -147,11 +148,13 @@ def _trace(fn: Callable, spec: CaptureSpec, state: list, tree, static_args: list
                 s.set(v)
 
     inputs = state + list(static_args)
+    t0 = time.perf_counter()
     with CAPTURE_LOCK:
         # Fake mode: collectives and KV writes do not execute while tracing; a host read of
         # a device value fails here, as it would break a CUDA graph.
         gm = make_fx(traced, tracing_mode="fake", _allow_non_fake_inputs=True)(*inputs)
     STATS["traces"] += 1
+    STATS["trace_seconds"] += time.perf_counter() - t0
     roles, shareable = _lift_roles(gm, spec.roles)
     shareable = shareable and not any(nd.op == "get_attr" and isinstance(getattr(gm, nd.target), torch.Tensor)
                                       for nd in gm.graph.nodes)

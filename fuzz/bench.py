@@ -9,6 +9,8 @@ Figures (each a median of several runs where it is cheap enough):
 - time to first detection and total time (incl. shrinking) for a few faults;
 - the logits check's margin in bf16 and fp16: clean runs' largest error/tolerance beside the
   ratio of each fault's minimal reproducer (`fuzz.margin`);
+- graph mode's capture cost: make_fx traces run and reused (engine/cpu_graph.py) in each
+  graph cell, from an empty trace cache;
 - peak resident memory of this process and of its children.
 """
 from __future__ import annotations
@@ -136,12 +138,18 @@ def run_bench(quick: bool = False, progress: bool = True) -> dict:
 def _speed_cells(harness, cells_to_run: tuple, budget: float, progress: bool) -> tuple[list, list]:
     """examples/s per (layout, mode, where), and each cell's harness overhead; returns
     (cells, the in-process cells' overheads)."""
+    from engine import cpu_graph
+
     cells, overhead = [], []
     for layout, mode, where in cells_to_run:
         # Warm-up pass (engine start-up, graph capture: its first example always runs in
-        # full), then the measured pass.
+        # full), then the measured pass. Traces start from an empty cache in each cell.
+        cpu_graph.clear_templates()
+        before = dict(cpu_graph.STATS)
         _examples_per_s(layout, mode, where, 1.0, harness)
         cell, cases = _examples_per_s(layout, mode, where, budget, harness)
+        if mode == "graph" and where != "cuda":
+            cell["graph_capture"] = {k: round(cpu_graph.STATS[k] - before[k], 3) for k in before}
         cells.append(cell)
         bare = _bare_seconds(cases, harness) if cases else 0.0
         if bare > 0:
