@@ -107,16 +107,17 @@ class EngineConfig:
                               f"for speculative_method={self.speculative_method}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"device: {self.device!r} is neither 'cpu' nor 'cuda[:N]'")
+        if self.attention_backend == "flash_attn":
+            # First: on a machine without the package, what to install is the one useful line.
+            from engine.attention.flash_attn_backend import missing_message, probe
+
+            if probe() is None:
+                raise ConfigError(missing_message())
         if self.attention_backend != "reference":
             if not self.device.startswith("cuda"):
                 raise ConfigError(f"attention_backend: {self.attention_backend} runs on CUDA only (device={self.device})")
             if self.dtype not in ("float16", "bfloat16"):
                 raise ConfigError(f"attention_backend: {self.attention_backend} needs float16 or bfloat16, not {self.dtype}")
-            if self.attention_backend == "flash_attn":
-                import importlib.util
-
-                if importlib.util.find_spec("flash_attn") is None:
-                    raise ConfigError("attention_backend: flash_attn is not importable (pip install flash-attn)")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(f"num_key_value_heads: {self.num_key_value_heads} does not divide "
                               f"num_attention_heads={self.num_attention_heads}")

@@ -25,7 +25,7 @@ DEFAULT_DUMP_DIR = "fa_guard_dumps"
 WATCHED = frozenset({
     "torch",
     "torch.nn.attention.varlen",
-    "flash_attn", "flash_attn.flash_attn_interface",
+    "flash_attn", "flash_attn.flash_attn_interface", "flash_attn.cute", "flash_attn.cute.interface",
     "vllm.vllm_flash_attn", "vllm.vllm_flash_attn.flash_attn_interface",
     "engine.attention.reference", "engine.custom_ops", "engine.attention.torch_flash",
 })

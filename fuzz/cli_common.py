@@ -6,7 +6,13 @@ for them.
 """
 from __future__ import annotations
 
+import sys
+
 EXIT_OK, EXIT_FAIL, EXIT_BAD_INPUT, EXIT_UNWRITTEN, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+# `replay`/`minimize`: the Case fails, but not as its reproducer recorded (another property,
+# or another kind of message: fuzz.reproduce.replay_verdict). Not 1: a CI job that expects a
+# known bug to reproduce must not pass on a different one.
+EXIT_OTHER_FAILURE = 4
 
 
 class BadInput(Exception):
@@ -33,20 +39,69 @@ def parse_layouts(text: str, base) -> list[str]:
 
 # -- what several commands read from their arguments (imports stay lazy: --help is fast) --
 
-def base_config(args):
-    from engine.config import ConfigError
-    from fuzz.strategies import FUZZ_MODEL
-
+def _require_cuda(args) -> None:
     if args.device != "cpu":
         import torch
 
         if not torch.cuda.is_available():
             raise BadInput(f"--device {args.device}: CUDA is not available on this machine")
+
+
+def _kernels_and_dtype(args, several: bool) -> tuple[list[str], str]:
+    """--attention-backend and --dtype with their device defaults. CPU: the reference backend
+    in float32. CUDA: what users run, bf16 on the real kernels (torch_flash, plus flash_attn
+    when the flash-attn package is importable and `several` kernels are wanted); an explicit
+    float32/float64 or `--attention-backend reference` is the old leg, fp32 reference."""
+    given = [k.strip() for k in (getattr(args, "attention_backend", None) or "").split(",") if k.strip()]
+    if len(given) > 1 and not several:
+        raise BadInput(f"--attention-backend: this command takes one kernel, not {','.join(given)}")
+    dtype = getattr(args, "dtype", None)
+    cuda = args.device != "cpu"
+    if not given:
+        if not cuda or dtype in ("float32", "float64"):
+            given = ["reference"]
+        else:
+            given = ["torch_flash"]
+            if several:
+                from engine.attention.flash_attn_backend import INSTALL_HINT, probe
+
+                if probe() is not None:
+                    given.append("flash_attn")
+                else:
+                    print(f"llmfuzz: flash_attn is not importable ({INSTALL_HINT}): fuzzing torch_flash only",
+                          file=sys.stderr)
+    if dtype is None:
+        dtype = "bfloat16" if cuda and given != ["reference"] else "float32"
+    return given, dtype
+
+
+def base_configs(args, several: bool = True) -> list:
+    """One base config per attention kernel the command fuzzes (`run`: kernels are cells of
+    the campaign); prints one line naming the flash-attn entry point when flash_attn is one."""
+    from engine.config import ConfigError
+    from fuzz.strategies import FUZZ_MODEL
+
+    # Asked for flash_attn: the package check comes first, since it needs no GPU to say what to install.
+    fa_first = "flash_attn" in (getattr(args, "attention_backend", None) or "")
+    if not fa_first:
+        _require_cuda(args)
+    kernels, dtype = _kernels_and_dtype(args, several)
     try:
-        return FUZZ_MODEL.replace(device=args.device, world=args.world, dtype=args.dtype,
-                                  attention_backend=args.attention_backend)
+        out = [FUZZ_MODEL.replace(device=args.device, world=args.world, dtype=dtype, attention_backend=k)
+               for k in kernels]
     except ConfigError as e:
         raise BadInput(str(e)) from None
+    if fa_first:
+        _require_cuda(args)
+    if "flash_attn" in kernels:
+        from engine.attention.flash_attn_backend import probe
+
+        print(f"llmfuzz: {probe().line()}", file=sys.stderr)
+    return out
+
+
+def base_config(args):
+    return base_configs(args, several=False)[0]
 
 
 def oracles(args) -> frozenset[str]:

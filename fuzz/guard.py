@@ -9,7 +9,8 @@ or, without touching the engine's code, `LLMFUZZ_FA_GUARD=raise python serve.py`
 `llmfuzz_guard.pth` start-up hook; see fuzz/_guard_autoinstall.py and docs/guard.md).
 
 What is wrapped (each when importable; a module imported after install() is patched the
-moment its code has run): `flash_attn.flash_attn_varlen_func`,
+moment its code has run): `flash_attn.flash_attn_varlen_func`, flash-attn-4's
+`flash_attn.cute.flash_attn_varlen_func` (`page_table` is its block table),
 `vllm.vllm_flash_attn.flash_attn_varlen_func` (and the `flash_attn_interface` modules that
 define them), `torch.nn.attention.varlen.varlen_attn` / `varlen_attn_out`, and our
 backends: `engine.attention.reference.varlen_attention` (also the name `engine.custom_ops`

@@ -37,6 +37,9 @@ class Target:
 TARGETS: tuple[Target, ...] = (
     Target("flash_attn", "flash_attn_varlen_func"),
     Target("flash_attn.flash_attn_interface", "flash_attn_varlen_func"),
+    # flash-attn-4 (CuTe DSL): `page_table` for the block table, `seqused_k`, `cu_seqlens_k=None`.
+    Target("flash_attn.cute", "flash_attn_varlen_func"),
+    Target("flash_attn.cute.interface", "flash_attn_varlen_func"),
     Target("vllm.vllm_flash_attn", "flash_attn_varlen_func"),
     Target("vllm.vllm_flash_attn.flash_attn_interface", "flash_attn_varlen_func"),
     Target("torch.nn.attention.varlen", "varlen_attn", "torch"),
@@ -44,8 +47,8 @@ TARGETS: tuple[Target, ...] = (
     Target("engine.attention.reference", "varlen_attention", "reference"),
     Target("engine.custom_ops", "varlen_attention", "reference"),
     # Our GPU backend around torch.ops.aten._flash_attention_forward (custom_ops dispatches
-    # through the BACKENDS dict). Its "flash_attn" sibling calls flash_attn_varlen_func,
-    # which is wrapped itself.
+    # through the BACKENDS dict). Its "flash_attn" sibling (engine/attention/flash_attn_backend.py)
+    # looks flash_attn.cute.flash_attn_varlen_func (or FA2's) up at each call: that is wrapped itself.
     Target("engine.attention.torch_flash", "torch_flash_varlen"),
     Target("engine.attention.torch_flash", "BACKENDS", key="torch_flash"),
 )
@@ -70,6 +73,16 @@ _REQUIRED = ("q", "k", "v", "cu_seqlens_q", "max_seqlen_q", "max_seqlen_k")
 _FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
                                           "float8_e5m2fnuz") if hasattr(torch, n))
 _MISSING = object()
+
+
+def _default_max_seqlens(kw: dict) -> None:
+    """flash-attn-4 makes max_seqlen_q/k optional: then the kernel bounds the query rows by
+    total_q and the keys by the page-table row (or the key tensor). Check with those."""
+    q, k, bt = kw["q"], kw["k"], kw["block_table"]
+    if kw["max_seqlen_q"] is None and isinstance(q, torch.Tensor):
+        kw["max_seqlen_q"] = q.shape[0]
+    if kw["max_seqlen_k"] is None and isinstance(k, torch.Tensor):
+        kw["max_seqlen_k"] = bt.shape[1] * k.shape[1] if isinstance(bt, torch.Tensor) else k.shape[0]
 
 
 # -- argument mapping -----------------------------------------------------------------------
@@ -117,6 +130,11 @@ class _Spec:
               "cu_seqlens_k": g("cu_seqlens_k"), "max_seqlen_q": g("max_seqlen_q"),
               "max_seqlen_k": g("max_seqlen_k"), "block_table": g("block_table"),
               "seqused_k": g("seqused_k")}
+        if kw["cu_seqlens_q"] is None:
+            # flash-attn-4's varlen entry point also takes dense [batch, seqlen, ...] inputs:
+            # no varlen contract to check (counted as skipped).
+            raise _Unbound("cu_seqlens_q")
+        _default_max_seqlens(kw)
         if self.style == "reference":
             kw["causal"] = bool(g("causal", True))
             kw["tile_q"] = g("tile_q")

@@ -5,17 +5,20 @@
 through the block table into a [batch * max_seqlen_k] layout with `seqused_k` giving each
 sequence's real length: no host sync, so it captures into a CUDA graph.
 
-`flash_attn`: `flash_attn.flash_attn_varlen_func` with `block_table` (paged KV natively),
-used when the package is importable. Typed against its documented signature; not run here
-(the package is not installed on the machines this project was built on).
+`flash_attn`: the flash-attn package (engine/attention/flash_attn_backend.py):
+`flash_attn.cute.flash_attn_varlen_func` (flash-attn-4) on the paged cache through
+`page_table`, else FlashAttention-2's `flash_attn.flash_attn_varlen_func`.
 
-Both honour the same contract as the reference backend: the kernel computes only rows
-below max_seqlen_q (in row tiles) and keys below max_seqlen_k, so an understated scalar
-shows up as garbage rows, exactly the field bug.
+Both compute keys below max_seqlen_k only. PyTorch's FA2 kernel also computes only the
+query rows below max_seqlen_q (in 128-row tiles), so an understated scalar shows up as
+garbage rows, exactly the field bug; flash-attn-4 takes max_seqlen_q as a hint and computes
+every row (README, "What a kernel cannot show").
 """
 from __future__ import annotations
 
 import torch
+
+from engine.attention.flash_attn_backend import flash_attn_varlen
 
 
 def _gather_paged(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -44,19 +47,6 @@ def torch_flash_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         q, k, v, cu_seqlens_q.int(), cu_k, max_seqlen_q, max_seqlen_k, 0.0, causal, False,
         scale=softmax_scale, seqused_k=seqused_k[:B].int())[0]
     return out
-
-
-def flash_attn_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      cu_seqlens_q: torch.Tensor, max_seqlen_q: int, seqused_k: torch.Tensor,
-                      max_seqlen_k: int, block_table: torch.Tensor, softmax_scale: float,
-                      causal: bool = True) -> torch.Tensor:
-    from flash_attn import flash_attn_varlen_func
-
-    B = cu_seqlens_q.shape[0] - 1
-    return flash_attn_varlen_func(
-        q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q.int(), cu_seqlens_k=None,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
-        causal=causal, seqused_k=seqused_k[:B].int(), block_table=block_table[:B].int())
 
 
 BACKENDS = {"torch_flash": torch_flash_varlen, "flash_attn": flash_attn_varlen}
