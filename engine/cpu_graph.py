@@ -82,7 +82,7 @@ class CaptureSpec:
 
 @dataclass(slots=True)
 class _Template:
-    gm: GraphModule
+    forward: Callable  # the traced graph's generated code (its FX graph is dropped: ~1 MB)
     roles: tuple[str, ...]  # role placeholders, after state and buffer inputs
     shape_inputs: tuple[int, ...]  # inputs read by aten ops: their shapes must match
     shapes: tuple
@@ -101,10 +101,10 @@ def capture(fn: Callable, static_args: list, spec: CaptureSpec) -> Callable:
     if t is None:
         t = _trace(fn, spec, state, tree, static_args)
     role_values = tuple(_value_of(spec.roles, r) for r in t.roles)
-    gm = t.gm
+    forward = t.forward
 
     def replay(*bufs):
-        return gm(*state, *bufs, *role_values)
+        return forward(None, *state, *bufs, *role_values)  # `self` is unused: no constants
     return replay
 
 
@@ -159,13 +159,22 @@ def _trace(fn: Callable, spec: CaptureSpec, state: list, tree, static_args: list
     shareable = shareable and not any(nd.op == "get_attr" and isinstance(getattr(gm, nd.target), torch.Tensor)
                                       for nd in gm.graph.nodes)
     shape_inputs = _shape_inputs(gm, len(inputs))
-    t = _Template(gm, roles, shape_inputs, tuple(_shape(inputs[i]) for i in shape_inputs))
+    # Kept: the generated forward alone. Its code reads only its inputs (no tensor constants,
+    # checked above for a shared trace), so neither the GraphModule nor the FX graph with its
+    # fake tensors needs to live on; the graph of an unshared trace dies with its capture.
+    t = _Template(type(gm).forward if shareable else _bound(gm), roles, shape_inputs,
+                  tuple(_shape(inputs[i]) for i in shape_inputs))
     if spec.share_key is not None and shareable:
         _TEMPLATES.setdefault(spec.share_key, []).append(t)
         _TEMPLATES.move_to_end(spec.share_key)
         while len(_TEMPLATES) > MAX_TEMPLATES:
             _TEMPLATES.popitem(last=False)
     return t
+
+
+def _bound(gm: GraphModule) -> Callable:
+    """An unshared trace may read tensor constants of its GraphModule: keep it."""
+    return lambda _self, *args: gm(*args)
 
 
 def _lift_roles(gm: GraphModule, roles: dict) -> tuple[tuple[str, ...], bool]:

@@ -11,8 +11,9 @@ copies and short copies. Two ways to fill that memory at each reset:
   monotone query offsets. A read of it gives wrong but plausible numbers, or a valid index
   to the wrong place, and only a comparison with an oracle or an invariant sees it.
 
-Both are deterministic (the stale values are seeded by the buffer's role and shape), so a
-Case's verdict never depends on the Cases an engine ran before.
+Both are deterministic (the stale values are a function of the buffer's role and position),
+so a Case's verdict never depends on the Cases an engine ran before. They are computed on
+the buffer's device at each reset, cheaply (a few ops, no generator, nothing cached).
 """
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ import torch
 POISON_MODES = ("nan", "stale")
 POISON_INT = -(2 ** 30)  # out-of-range index poison for int buffers
 KV_POISON = 1.0e4  # finite: paged kernels load whole pages and 0 x NaN would be NaN
-_CACHE: dict[tuple, torch.Tensor] = {}  # stale contents by (role, shape, dtype): resets are frequent
 
 
 def check_mode(mode: str) -> str:
@@ -34,11 +34,13 @@ def check_mode(mode: str) -> str:
 
 def fill_floats(t: torch.Tensor, mode: str, role: str, *, nan_value: float = float("nan"),
                 scale: float = 1.0) -> None:
-    """Activations, K/V, output memory: NaN (or `nan_value`), or normal(0, scale) values."""
+    """Activations, K/V, output memory: NaN (or `nan_value`), or values in [-scale, scale]
+    with the spread of activations (a sine of the flat index, its phase from the role)."""
     if mode == "nan":
         t.fill_(nan_value)
         return
-    t.copy_(_stale(role, t, lambda g: torch.randn(t.shape, generator=g) * scale))
+    i = torch.arange(t.numel(), device=t.device, dtype=torch.float32)
+    t.copy_((torch.sin(i * 0.7548776662 + _phase(role)) * scale).view(t.shape))
 
 
 def fill_ints(t: torch.Tensor, mode: str, role: str, *, high: int, step: int = 1, low: int = 0) -> None:
@@ -49,13 +51,8 @@ def fill_ints(t: torch.Tensor, mode: str, role: str, *, high: int, step: int = 1
         t.fill_(POISON_INT)
         return
     span = max(high - low, 1)
-    t.copy_(_stale(role, t, lambda g: (low + (torch.arange(t.numel()) * step) % span).view(t.shape)))
+    t.copy_((low + (torch.arange(t.numel(), device=t.device) * step) % span).view(t.shape))
 
 
-def _stale(role: str, t: torch.Tensor, make) -> torch.Tensor:
-    key = (role, tuple(t.shape), t.dtype, t.device)
-    v = _CACHE.get(key)
-    if v is None:
-        g = torch.Generator().manual_seed(zlib.crc32(f"{role}{tuple(t.shape)}".encode()))
-        v = _CACHE[key] = make(g).to(t.dtype).to(t.device)
-    return v
+def _phase(role: str) -> float:
+    return zlib.crc32(role.encode()) % 6283 / 1000.0

@@ -23,13 +23,14 @@ import time
 
 from hypothesis import HealthCheck, Phase, given, seed as hseed, settings, target
 
+from fuzz.campaign_sequential import SequentialVisits
+from fuzz.findings import case_size
 from fuzz.harness import Harness, pool_capacity_for
 from fuzz.isolated import make_harness
 from fuzz.properties import Violation
-from fuzz.findings import case_size
 from fuzz.recorder import Recorder
 from fuzz.shrink_phase import Pending, Shrunk, ShrinkPhase, shrink_one
-from fuzz.stop import check_stop, clear_stop, request_stop  # noqa: F401 (re-exported: the CLI, tests)
+from fuzz.stop import check_stop, clear_stop, request_stop, stop_requested  # noqa: F401 (request_stop: re-exported)
 from fuzz.strategies import FUZZ_MODEL
 from fuzz.target import (Cell, CellDatabase, CellStats, Failure, HarnessTarget, Summary,  # noqa: F401 (re-exported)
                          Target, Unsupported)
@@ -54,7 +55,7 @@ def _leaves(g: BaseExceptionGroup | None) -> list:
     return out
 
 
-class Campaign:
+class Campaign(SequentialVisits):
     def __init__(self, *, layouts=(), modes=("eager",), faults=(), seed: int = 0, out_dir: str = "reproducers",
                  budget_s: float = 60.0, chunk: int = 8, stop_on_failure: bool = False,
                  progress: bool = True, base=FUZZ_MODEL, max_requests: int = 10,
@@ -195,12 +196,15 @@ class Campaign:
         except BaseExceptionGroup as g:  # several failures, or Hypothesis's FlakyFailure
             vs, rest = g.split(Violation)
             # A Ctrl-C grouped with failures still stops the run.
-            stopped = rest is not None and rest.subgroup(KeyboardInterrupt) is not None
+            stopped = stop_requested() or (rest is not None and rest.subgroup(KeyboardInterrupt) is not None)
             if vs is None and self._best is None and not stopped:
                 raise
             found = _leaves(vs)
         except Exception:  # Hypothesis gave up mid-shrink: keep the smallest failure seen
-            if self._best is None:
+            # An interrupt that lands in Hypothesis's own setup can come out as another error
+            # (an AssertionError of its state, seen under load): after a stop, it is the stop.
+            stopped = stop_requested()
+            if self._best is None and not stopped:
                 raise
         if not found and self._best is not None:
             found = [self._best]
@@ -289,66 +293,15 @@ class Campaign:
                 return
             i += 1
 
-    def _run_sequential(self) -> None:
-        """Each cell once, in order: its share of the time left (start-up included), and at
-        least min(min_cell_s, budget) of examples once started. A cell's costs are added to
-        its row however it ends (Target.cell_done)."""
-        for ci, cell in enumerate(self.cells):
-            now = time.monotonic()
-            if now >= self._deadline:
-                return
-            share = (self._deadline - now) / (len(self.cells) - ci)
-            row = self.summary.cells.setdefault(self.target.stats_key(cell.data), CellStats())
-            try:
-                if not self._start(cell, row):
-                    continue
-                end, j = max(now + share, time.monotonic() + min(self.min_cell_s, self.budget_s)), 0
-                while time.monotonic() < end and not row.stopped:
-                    check_stop()
-                    if self._visit(cell, row, ci * 1009 + j, end):
-                        return
-                    j += 1
-            finally:
-                self.target.cell_done(cell, row)
-
-    def _start(self, cell: Cell, row: CellStats) -> bool:
-        """Start a sequential cell's engine: False when it is refused (unsupported) or fails
-        to start (a failure, recorded without minimizing: every check would restart it)."""
-        self._cell, self._row, self._found = cell, row, {}
-        if self.progress:
-            sys.stderr.write(f"llmfuzz: cell {cell.name}: starting\n")
-        try:
-            self.target.start(cell)
-            return True
-        except Unsupported as e:
-            row.unsupported = row.stopped = str(e)[:500]
-        except Violation as v:
-            self._finish(v, shrink=False)
-            row.stopped = f"engine did not start ({getattr(v, 'signature', v.property)})"
-        return False
-
     def _shrink_phase(self) -> None:
         """After the budget: minimize what it cut short, within `shrink_budget_s`."""
-        n = len(self._pending)
-        if self.progress:
-            sys.stderr.write(f"\nllmfuzz: shrink phase: {n} failure(s) not minimal yet, "
-                             f"budget {self.shrink_budget_s:.0f}s\n")
-            sys.stderr.flush()
-
-        def say(line: str) -> None:
-            if self.progress:
-                sys.stderr.write(f"llmfuzz: {line}\n")
-                sys.stderr.flush()
         phase = ShrinkPhase(self.target, self.shrink_budget_s, self.recorder.rewrite, check_stop,
-                            max_checks=10 * self.target.max_shrink_checks, progress=say)
+                            max_checks=10 * self.target.max_shrink_checks, progress=self.progress)
         try:
-            stopped = phase.run(self._pending)
+            if phase.run(self._pending):
+                self.summary.interrupted = True
         finally:
-            self.shrink_report = {"budget_s": round(self.shrink_budget_s, 1), "seconds": round(phase.seconds, 2),
-                                  "failures": n, "minimal": sum(bool(p.failure.minimal) for p in self._pending),
-                                  "interrupted": phase.stopped}
-        if stopped:
-            self.summary.interrupted = True
+            self.shrink_report = phase.report(self._pending)
 
     def run(self) -> Summary:
         self._t0 = time.monotonic()
@@ -366,6 +319,10 @@ class Campaign:
             if self._pending and not self.summary.interrupted:
                 self._shrink_phase()
         except KeyboardInterrupt:
+            self.summary.interrupted = True
+        except Exception:
+            if not stop_requested():  # after a stop, an error is the interrupt's (see `_find`)
+                raise
             self.summary.interrupted = True
         finally:
             self.summary.seconds = time.monotonic() - self._t0

@@ -21,6 +21,7 @@ from engine.schedule import Schedule
 CASE_FORMAT = 4
 TARGETS = ("reference", "vllm")
 PLAIN_FORMAT = 2  # what a reference-engine Case is written as (see Case.to_dict)
+TARGET_FORMAT = 3  # what a Case on another target is written as
 FAULT_SCOPES = ("test", "everywhere")
 
 
@@ -138,7 +139,7 @@ class Case:
         # A reference-engine Case is written exactly as format 2 wrote it: its JSON, and so its
         # reproducer id (a hash of it), stay what they were, and older llmfuzz still loads it.
         if self.target != "reference" or self.target_options:
-            d.update(format=3, target=self.target, target_options=dict(self.target_options))
+            d.update(format=TARGET_FORMAT, target=self.target, target_options=dict(self.target_options))
         if self.poison != "nan":  # likewise a NaN-poison Case stays as format 2 or 3 wrote it
             d.update(format=CASE_FORMAT, poison=self.poison)
         return d

@@ -1,12 +1,12 @@
 """`llmfuzz`: run a campaign, replay or minimize a reproducer, list faults, generate a demo.
 
 Exit codes: 0 nothing failed (or a replayed case passes now), 1 a failure was found /
-reproduces as recorded, 2 bad input (one line on stderr naming the problem, before any rank starts),
-3 a failure was found but its reproducer could not be written (the Case JSON went to
-stderr), 4 a replayed or minimized reproducer fails, but with another violation than the one
-it records (another property or kind of message), 130 interrupted before a campaign could summarise, or a selftest interrupted (it prints
-the faults run so far). A campaign interrupted by SIGINT or SIGTERM prints its summary so far
-and exits 0 or 1 as above.
+reproduces as recorded, 2 bad input (one line on stderr naming the problem, before any rank
+starts), 3 a failure was found but its reproducer could not be written (the Case JSON went
+to stderr), 4 a replayed or minimized reproducer fails, but with another violation than the
+one it records (another property or kind of message), 130 interrupted before a campaign
+could summarise, or a selftest stopped at any point (it prints the faults run so far). A
+campaign interrupted by SIGINT or SIGTERM prints its summary so far and exits 0 or 1 as above.
 Torch is imported only by the commands that need it, so `llmfuzz --help` starts fast.
 """
 from __future__ import annotations
@@ -234,7 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     fuzzing = [shared["engine"], shared["fuzz_oracles"], shared["isolate"]]  # run, selftest
     checking = [shared["check_oracles"], shared["isolate"]]  # replay, minimize
     _add_run_parser(sub, fuzzing)
-    rp = sub.add_parser("replay", help="re-run a reproducer: exit 1 if it still fails", parents=checking)
+    rp = sub.add_parser("replay", help="re-run a reproducer: exit 1 if it fails as recorded, 4 if with another "
+                        "violation, 0 if it passes", parents=checking)
     rp.add_argument("file")
     rp.add_argument("--json", action="store_true")
     rp.set_defaults(fn=cmd_replay)
@@ -309,6 +310,9 @@ def main(argv: list[str] | None = None, *, restore_signals: bool = True) -> int:
         # callback (Hypothesis 6.170) and not stop the campaign; ours also sets a stop flag.
         for sig in (signal.SIGTERM, signal.SIGINT):
             saved[sig] = signal.signal(sig, _terminate_as_interrupt)
+    from fuzz.stop import clear_stop
+
+    clear_stop()  # a stop belongs to the command it interrupted (tests call main() in-process)
     try:
         try:
             return args.fn(args)
@@ -317,6 +321,14 @@ def main(argv: list[str] | None = None, *, restore_signals: bool = True) -> int:
             return EXIT_BAD_INPUT
         except KeyboardInterrupt:
             print("llmfuzz: interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        except Exception as e:
+            from fuzz.stop import stop_requested
+
+            if not stop_requested():
+                raise
+            # An interrupt that landed inside a library can surface as another error.
+            print(f"llmfuzz: interrupted ({type(e).__name__} while stopping)", file=sys.stderr)
             return EXIT_INTERRUPTED
     except KeyboardInterrupt:  # a second signal while the first was being reported
         return EXIT_INTERRUPTED

@@ -2,7 +2,7 @@
 
 `write_report` writes one self-contained HTML page (inline CSS and SVG, no scripts, no
 external assets) and `job_summary_md` the Markdown for a CI job summary. Plots are SVG
-drawn here, so the report needs nothing beyond the standard library: it runs in a CI job
+drawn by fuzz.report_svg, so the report needs nothing beyond the standard library: it runs in a CI job
 that has not installed torch (`python -m fuzz.report ...`) as well as `llmfuzz report`.
 """
 from __future__ import annotations
@@ -11,13 +11,11 @@ import argparse
 import datetime
 import html
 import json
-import math
 import re
 import sys
 
-MODE_COLORS = {"eager": "#3b6ea8", "graph": "#e08a2c"}
-OTHER_COLORS = ("#5a9e5a", "#8c6bb1", "#c4566b", "#6b8e9e")
-FAIL, OK = "#c0392b", "#2e8b57"
+from fuzz.report_svg import FAIL, OK, grouped_bar_svg, hbar_svg, histogram_svg  # noqa: F401 (re-exported)
+from fuzz.report_svg import num as _num
 
 
 # -- reading the JSON ---------------------------------------------------------------------
@@ -43,133 +41,9 @@ def replay_command(path: str) -> str:
     return f"llmfuzz replay {path}"
 
 
-def _num(x, digits: int = 2) -> str:
-    if x is None:
-        return "–"
-    if isinstance(x, str):
-        return x
-    if isinstance(x, float) and not math.isfinite(x):
-        return "inf" if x > 0 else ("-inf" if x < 0 else "nan")
-    return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
-
-
 def _rate(summary: dict) -> float | None:
     s = summary.get("seconds") or 0
     return summary.get("examples", 0) / s if s else None
-
-
-# -- SVG plots --------------------------------------------------------------------------
-
-def _axis(vmax: float, ticks: int = 4) -> tuple[float, float]:
-    """(top, step) of a value axis: step is 1, 2 or 5 × 10^k, about `ticks` steps up to vmax."""
-    if not vmax > 0 or not math.isfinite(vmax):
-        return 1.0, 0.25
-    raw = vmax / ticks
-    e = 10 ** math.floor(math.log10(raw))
-    step = next(m * e for m in (1, 2, 5, 10) if m * e >= raw * (1 - 1e-9))
-    return step * math.ceil(vmax / step - 1e-9), step
-
-
-def _t(x: float, y: float, text: str, size: int = 11, anchor: str = "middle", extra: str = "") -> str:
-    return (f'<text x="{x:.1f}" y="{y:.1f}" font-size="{size}" text-anchor="{anchor}"{extra}>'
-            f"{html.escape(text)}</text>")
-
-
-def _svg(w: int, h: int, title: str, body: list[str]) -> str:
-    t = html.escape(title)
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {w} {h}" width="{w}" height="{h}" '
-            f'role="img" aria-label="{t}" font-family="sans-serif"><title>{t}</title>'
-            + "".join(body) + "</svg>")
-
-
-def grouped_bar_svg(title: str, groups: list[str], series: list[str], values: dict, unit: str = "",
-                    flagged: set | None = None) -> str:
-    """Vertical bars: one group per x label, one bar per series; values[(group, series)].
-    Bars in `flagged` (cells with failures) get a red outline and a red ✗ above them."""
-    flagged = flagged or set()
-    gw = max(56, 20 + 24 * len(series))
-    left, right, top, bottom = 56, 16, 52, 58
-    w, h = max(480, left + right + gw * len(groups)), 320
-    ph = h - top - bottom
-    top_v, step = _axis(max([v for v in values.values() if v is not None] or [0]))
-    body = [_t(8, 16, title, 13, "start", ' font-weight="bold"')]
-    colors = {s: MODE_COLORS.get(s, OTHER_COLORS[i % len(OTHER_COLORS)]) for i, s in enumerate(series)}
-    for si, s in enumerate(series):
-        lx = left + 80 * si
-        body.append(f'<rect x="{lx}" y="26" width="10" height="10" fill="{colors[s]}"/>')
-        body.append(_t(lx + 14, 35, s, 11, "start"))
-    if flagged:
-        lx = left + 80 * len(series)
-        body.append(_t(lx, 35, "✗ failures", 11, "start", f' fill="{FAIL}"'))
-    for i in range(int(round(top_v / step)) + 1):
-        v = step * i
-        y = top + ph - ph * v / top_v
-        body.append(f'<line x1="{left}" x2="{w - right}" y1="{y:.1f}" y2="{y:.1f}" stroke="#ddd"/>')
-        body.append(_t(left - 6, y + 4, f"{v:g}", 10, "end"))
-    if unit:
-        body.append(_t(14, top + ph / 2, unit, 10, "middle", f' transform="rotate(-90 14 {top + ph / 2:.1f})"'))
-    bw = (gw - 12) / max(1, len(series))
-    for gi, g in enumerate(groups):
-        x0 = left + gi * gw + 6
-        for si, s in enumerate(series):
-            v = values.get((g, s))
-            x = x0 + si * bw
-            bh = 0 if v is None else ph * v / top_v
-            if v is None:
-                body.append(_t(x + bw / 2, top + ph - 3, "–", 10, extra=' fill="#999"'))
-            else:
-                stroke = f' stroke="{FAIL}" stroke-width="2.5"' if (g, s) in flagged else ""
-                tip = f"{g} {s}: {_num(v)} {unit}" + (" (failures)" if (g, s) in flagged else "")
-                body.append(f'<rect x="{x + 1:.1f}" y="{top + ph - bh:.1f}" width="{bw - 2:.1f}" '
-                            f'height="{max(bh, 0.5):.1f}" fill="{colors[s]}"{stroke}>'
-                            f"<title>{html.escape(tip)}</title></rect>")
-            if (g, s) in flagged:
-                body.append(_t(x + bw / 2, top + ph - bh - (16 if v is None else 4), "✗", 12, extra=f' fill="{FAIL}"'))
-        gx = left + gi * gw + gw / 2
-        body.append(_t(gx, top + ph + 14, g, 10, "end", f' transform="rotate(-35 {gx:.1f} {top + ph + 14:.1f})"'))
-    return _svg(w, h, title, body)
-
-
-def hbar_svg(title: str, rows: list[tuple[str, float | None, str, str]], unit: str = "") -> str:
-    """Horizontal bars, one per (label, value, color, annotation): long labels stay readable."""
-    left = min(300, 16 + 7 * max([len(r[0]) for r in rows] or [4]))
-    right, top, rh = 70, 32, 20
-    w, h = left + 360 + right, top + rh * max(1, len(rows)) + 24
-    pw = w - left - right
-    top_v, step = _axis(max([r[1] for r in rows if r[1] is not None] or [0]))
-    body = [_t(8, 18, title, 13, "start", ' font-weight="bold"')]
-    n = int(round(top_v / step))
-    for i in range(n + 1):
-        x = left + pw * i / n
-        body.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{top - 4}" y2="{h - 20}" stroke="#ddd"/>')
-        body.append(_t(x, h - 6, f"{step * i:g}" + (f" {unit}" if i == n and unit else ""), 10))
-    for i, (label, v, color, note) in enumerate(rows):
-        y = top + i * rh
-        body.append(_t(left - 6, y + 13, label, 11, "end"))
-        bw = 0 if v is None else pw * v / top_v
-        tip = f"{label}: {note or _num(v)}"
-        body.append(f'<rect x="{left}" y="{y + 3}" width="{max(bw, 1):.1f}" height="{rh - 6}" fill="{color}">'
-                    f"<title>{html.escape(tip)}</title></rect>")
-        body.append(_t(left + bw + 4, y + 13, note or _num(v), 10, "start"))
-    return _svg(w, h, title, body)
-
-
-def histogram_svg(title: str, ratios: list[float]) -> str:
-    """error/tolerance on a log scale, one bar per decade; ratio ≥ 1 is a violation."""
-    edges = list(range(-6, 4))  # decades 1e-6 .. 1e3; outside ones fold into the ends
-    counts = {e: 0 for e in edges}
-    zero = 0
-    for r in ratios:
-        if r is None or (isinstance(r, float) and math.isnan(r)):
-            continue
-        if r <= 0:
-            zero += 1
-            continue
-        d = math.floor(math.log10(r)) if math.isfinite(r) else edges[-1]
-        counts[min(max(d, edges[0]), edges[-1])] += 1
-    rows = [("0 (bitwise)", float(zero), OK, str(zero))]
-    rows += [(f"[1e{e}, 1e{e + 1})", float(n), FAIL if e >= 0 else "#3b6ea8", str(n)) for e, n in counts.items()]
-    return hbar_svg(title, rows, "examples")
 
 
 # -- HTML ---------------------------------------------------------------------------------
@@ -235,6 +109,8 @@ def _campaign_html(summary: dict) -> list[str]:
     out.append("<h2>Failures</h2>")
     if not fails:
         out.append("<p>None.</p>")
+    else:
+        out.append(_findings_table(fails, summary.get("shrink_phase")))
     for i, f in enumerate(fails, 1):
         path = f.get("path", "")
         out.append(
@@ -247,6 +123,30 @@ def _campaign_html(summary: dict) -> list[str]:
     return out
 
 
+def _yes_no(v) -> str:
+    return "–" if v is None else ("yes" if v else "no")
+
+
+def _findings_table(fails: list[dict], phase: dict | None) -> str:
+    """When each failure was found and how small its reproducer is (fuzz.findings' fields)."""
+    rows = []
+    for i, f in enumerate(fails, 1):
+        size = f.get("size") or {}
+        minimal = f.get("minimal")
+        rows.append([str(i), str(f.get("property")), f.get("oracle") or "–", _num(f.get("seconds_to_find"), 1),
+                     _num(f.get("examples_before")), _num(size.get("requests")), _num(size.get("tokens")),
+                     f"{size.get('layout', '–')}/{size.get('mode', '–')}",
+                     _Cell(f'<td class="{"good" if minimal else "bad"}">{_yes_no(minimal)}</td>'),
+                     _num(f.get("shrink_seconds"), 1)])
+    note = ""
+    if phase:
+        note = (f'<p class="note">Shrink phase after the budget: {phase.get("minimal")} of {phase.get("failures")} '
+                f'failure(s) minimal in {_num(phase.get("seconds"), 1)} s (budget {_num(phase.get("budget_s"), 0)} s)'
+                + (", interrupted" if phase.get("interrupted") else "") + ".</p>")
+    return _table(["#", "property", "oracle", "found after s", "examples before", "requests", "tokens",
+                   "layout/mode", "minimal", "shrink s"], rows) + note
+
+
 def _selftest_html(st: dict) -> list[str]:
     faults = st.get("faults") or []
     det, tot = st.get("detected", 0), st.get("total", len(faults))
@@ -254,10 +154,12 @@ def _selftest_html(st: dict) -> list[str]:
            f'<p class="banner {"good" if det == tot else "bad"}">{det}/{tot} faults detected; median '
            f'seconds to detection {html.escape(_num(st.get("median_seconds_to_detection")))}</p>']
     out.append(_table(
-        ["fault", "detected", "seconds", "examples", "property", "requests", "tokens", "layout/mode", "reproducer"],
+        ["fault", "detected", "seconds", "examples", "property", "oracle", "requests", "tokens", "layout/mode",
+         "minimal", "reproducer"],
         [[f["name"], _Cell('<td class="good">yes</td>' if f.get("detected") else '<td class="bad">NO</td>'),
-          _num(f.get("seconds")), _num(f.get("examples")), f.get("property") or "–", _num(f.get("requests")),
-          _num(f.get("tokens")), f"{f.get('layout')}/{f.get('mode')}" if f.get("detected") else "–",
+          _num(f.get("seconds")), _num(f.get("examples")), f.get("property") or "–", f.get("oracle") or "–",
+          _num(f.get("requests")), _num(f.get("tokens")),
+          f"{f.get('layout')}/{f.get('mode')}" if f.get("detected") else "–", _yes_no(f.get("minimal")),
           _Cell(f'<td class="l path">{html.escape(f.get("reproducer") or "–")}</td>')] for f in faults]))
     rows = [(f["name"], f.get("seconds"), OK, f"{_num(f.get('seconds'))} s") if f.get("detected")
             else (f["name"], f.get("total_seconds"), FAIL, f"not detected in {_num(f.get('total_seconds'), 0)} s")
@@ -315,7 +217,12 @@ def job_summary_md(summary: dict | None, selftest: dict | None = None, title: st
             if download_hint:
                 lines += [download_hint, ""]
             for i, f in enumerate(fails, 1):
-                lines += [f"{i}. **{_line(f.get('property'))}**: {_line(f.get('message'))}  ",
+                size = f.get("size") or {}
+                found = (f"   found after {_num(f.get('seconds_to_find'), 1)} s ({_num(f.get('examples_before'))} "
+                         f"examples before); reproducer {_num(size.get('requests'))} request(s), "
+                         f"{_num(size.get('tokens'))} tokens, {size.get('layout', '–')}/{size.get('mode', '–')}, "
+                         f"minimal: {_yes_no(f.get('minimal'))}  ")
+                lines += [f"{i}. **{_line(f.get('property'))}**: {_line(f.get('message'))}  ", found,
                           f"   case: `{_line(f.get('case_desc'))}`, error/tolerance {_num(f.get('error_ratio'))}",
                           "   ```", f"   {replay_command(f.get('path', ''))}", "   ```"]
     if selftest is not None:

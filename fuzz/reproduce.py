@@ -10,6 +10,7 @@ import datetime
 import hashlib
 import json
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 
@@ -117,6 +118,48 @@ def _migrate(case: Case, doc: dict) -> Case:
     return case
 
 
+# Where a message says its violation happened, not what it is: dropped before its kind is read.
+_WHERE = re.compile(r"^(?:request \S+ position \d+|rank\(s\) \[[^\]]*\][^:]*|rank \d+ layer \d+ microbatch \d+"
+                    r"(?: \(graph replay\))?|microbatch \d+|request \S+):\s*")
+_LOGITS_KINDS = (("non-finite logits", "non-finite logits"), ("max |logits -", "logits beyond tolerance"),
+                 ("greedy token", "greedy token differs"), ("generated positions", "generated lengths differ"))
+
+
+def message_kind(prop: str, message: str) -> str:
+    """What kind of violation `message` reports, the same across sizes, positions and oracles:
+    a replay that fails with the recorded property but another kind ("non-finite logits"
+    recorded, "logits beyond tolerance" now) is another bug, or a bug gone half-way. Logits:
+    one of four kinds; FA invariants: the argument named (max_seqlen_k, slot_mapping, ...);
+    others: the message's first words with numbers and literals blanked."""
+    text = _WHERE.sub("", " ".join(message.split()))
+    if prop == "logits":  # "" for a message of none of the four (hand-written): not compared
+        return next((kind for words, kind in _LOGITS_KINDS if words in text), "")
+    if prop == "fa_invariants":
+        arg = re.search(r"\b[a-z]+(?:_[a-z0-9]+)+\b", text)
+        if arg:
+            return arg.group(0)
+    text = re.sub(r"\{[^}]*\}|\[[^\]]*\]", "…", text)
+    text = re.sub(r"[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?", "N", text)
+    return " ".join(text.split()[:6])
+
+
+def replay_verdict(repro: Reproducer, violation: Exception | None) -> str:
+    """'passes' (nothing failed), 'reproduces' (the recorded property, and the recorded
+    message's kind where one was recorded) or 'differs' (another violation)."""
+    if violation is None:
+        return "passes"
+    prop = getattr(violation, "property", None)
+    if prop != repro.property:
+        return "differs"
+    sig, rec_sig = getattr(violation, "signature", None), (repro.meta or {}).get("signature")
+    if sig is not None or rec_sig is not None:  # a crash: its signature says which one (vLLM's)
+        return "reproduces" if sig == rec_sig else "differs"
+    recorded = message_kind(prop, repro.message) if repro.message else ""
+    if recorded and recorded != message_kind(prop, str(violation)):
+        return "differs"
+    return "reproduces"
+
+
 def replay_report(repro: Reproducer, violation: Exception | None) -> str:
     """cargo-fuzz style text for a replayed reproducer."""
     p = repro.path or "FILE"
@@ -128,6 +171,9 @@ def replay_report(repro: Reproducer, violation: Exception | None) -> str:
         prop = getattr(violation, "property", type(violation).__name__)
         oracle = getattr(violation, "oracle", None)
         lines += [f"What was violated: {prop}" + (f" (against {oracle})" if oracle else "") + f": {violation}"]
+        if replay_verdict(repro, violation) == "differs":
+            lines += [f"Not what was recorded: {repro.property} ({message_kind(repro.property, repro.message)}): "
+                      f"{repro.message}; now {prop} ({message_kind(prop, str(violation))})"]
         if getattr(violation, "second_opinion", None):
             lines += [f"Second opinion: {violation.second_opinion}"]
     lines += [f"Reproduce with: llmfuzz replay {p}   (or: python reproducers/replay.py {p})",

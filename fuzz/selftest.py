@@ -72,6 +72,10 @@ def run_selftest(faults: list[str] | None = None, budget_per_fault: float = 60.0
                 break  # the faults after it are not run: the caller reports the selftest as stopped
     except KeyboardInterrupt:
         _mark_interrupted(results, current, t0)
+    except Exception:
+        if not stop_requested():  # after a stop, an error is the interrupt's (fuzz.campaign._find)
+            raise
+        _mark_interrupted(results, current, t0)
     finally:
         try:
             if harness is not None:
@@ -111,13 +115,14 @@ def summary_json(results: list[FaultResult]) -> dict:
 
 def table(results: list[FaultResult]) -> str:
     rows = [f"{'fault':<30}{'found':>6}{'secs':>7}{'ex':>5}  {'property':<18}{'oracle':<13}{'reqs':>5}{'toks':>5}"
-            f"  layout/mode"]
+            f"  {'layout/mode':<14}minimal"]
     for r in results:
         if r.interrupted and not r.detected:
             rows.append(f"{r.name:<30}{'-':>6}{'-':>7}{'-':>5}  (interrupted after {r.total_seconds:.0f}s)")
         elif r.detected:
             rows.append(f"{r.name:<30}{'yes':>6}{r.seconds:>7.1f}{r.examples:>5}  {r.property:<18}"
-                        f"{r.oracle or '-':<13}{r.requests:>5}{r.tokens:>5}  {r.layout}/{r.mode}")
+                        f"{r.oracle or '-':<13}{r.requests:>5}{r.tokens:>5}  {f'{r.layout}/{r.mode}':<14}"
+                        f"{'yes' if r.minimal else 'no'}")
         else:
             rows.append(f"{r.name:<30}{'NO':>6}{'-':>7}{'-':>5}  (not detected in {r.total_seconds:.0f}s)")
     return "\n".join(rows)

@@ -54,6 +54,14 @@ class Failure:
     second_opinion: str | None = None
     cell: str | None = None  # the cell it was found in
     meta: dict = field(default_factory=dict)  # the target's: signature, shrink checks
+    # When and how small (fuzz.findings): seconds from the campaign's start and examples run
+    # before the first failing example; the reproducer's size; whether the minimizer reached
+    # a fixpoint; seconds spent minimizing it (in the campaign and the shrink phase).
+    seconds_to_find: float | None = None
+    examples_before: int | None = None
+    size: dict | None = None
+    minimal: bool | None = None
+    shrink_seconds: float = 0.0
 
 
 @dataclass

@@ -30,7 +30,8 @@ def _cmd_run(args) -> int:
     try:
         vllm_python()  # before anything starts: one line naming the missing package
         camp = VLLMCampaign(configs, budget_s=args.budget, out_dir=args.out or "reproducers/vllm", seed=args.seed,
-                            known=known, max_requests=args.max_requests, shrink_s=args.shrink_budget,
+                            known=known, max_requests=args.max_requests,
+                            shrink_s=300.0 if args.shrink_budget is None else args.shrink_budget,
                             progress=not args.quiet, shrink_configs=not args.no_config_shrink)
         summary = camp.run()  # closes the engine it started
         doc = summary.to_json()
@@ -122,7 +123,9 @@ def add_vllm_run_options(r, *, standalone: bool) -> None:
     r.add_argument("--exclude", default=None, help=f"{t}comma list of config-name prefixes not to visit (e.g. tp1pp2-eager)")
     r.add_argument("--known", default=None, help=f"{t}known-failures file: one crash signature per line")
     r.add_argument("--max-requests", type=int, default=8, help=f"{t}requests per workload (default 8)")
-    r.add_argument("--shrink-budget", type=float, default=300.0, help=f"{t}seconds per failure for shrinking")
+    r.add_argument("--shrink-budget", type=float, default=None,
+                   help="seconds of shrinking after the budget (default max(60, budget/4)); "
+                        "with --target vllm: per failure (default 300)")
     r.add_argument("--no-config-shrink", action="store_true",
                    help=f"{t}shrink a failure's workload only, not its config (each config step restarts vLLM)")
 

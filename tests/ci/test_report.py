@@ -26,12 +26,19 @@ def campaign_json() -> dict:
     s.cells[("tp2pp4", "eager")].failures = 1
     s.cells[("tp1pp8", "graph")].failures = 1
     s.failures = [
-        Failure("logits", "step 2 req r0: max |Δ| 3.1e-2 > tol 1e-5 <b>", "tp2pp4 eager | 2 request(s)",
-                "nightly/reproducers/logits/aaaa11112222.json", float("inf")),
-        Failure("fa_invariants", "cu_seqlens_q padded tail must repeat", "tp1pp8 graph | 1 request(s)",
-                "nightly/reproducers/fa_invariants/bbbb33334444.json", None),
+        Failure("logits", "step 2 req r0: max |Δ| 3.1e-2 > tol 1e-5 <b>", "tp1pp2 eager | 1 request(s)",
+                "nightly/reproducers/logits/aaaa11112222.json", float("inf"), "reference",
+                seconds_to_find=17.25, examples_before=31, minimal=True, shrink_seconds=4.5,
+                size={"requests": 1, "tokens": 5, "layout": "tp1pp2", "mode": "eager"}),
+        Failure("fa_invariants", "cu_seqlens_q padded tail must repeat", "tp1pp8 graph | 2 request(s)",
+                "nightly/reproducers/fa_invariants/bbbb33334444.json", None,
+                seconds_to_find=19.5, examples_before=39, minimal=False, shrink_seconds=60.0,
+                size={"requests": 2, "tokens": 9, "layout": "tp1pp8", "mode": "graph"}),
     ]
-    return json.loads(json.dumps(s.to_json()))  # as read back from summary.json
+    from fuzz.findings import run_json
+
+    shrink = {"budget_s": 60.0, "seconds": 58.2, "failures": 1, "minimal": 0, "interrupted": False}
+    return json.loads(json.dumps(run_json(s, shrink)))  # as read back from summary.json
 
 
 def selftest_json() -> dict:
@@ -108,6 +115,23 @@ def test_report_html_has_layouts_failures_and_plots(tmp_path) -> None:
     assert "3/4 faults detected" in text
     # Cells with failures are outlined in the plot.
     assert svgs[0].count('stroke="#c0392b"') == 2
+
+
+def test_report_times_and_sizes_every_finding() -> None:
+    """Each failure: seconds to first detection, examples before it, property and oracle, the
+    reproducer's size and whether it is minimal, in the HTML page and the job summary."""
+    summary = campaign_json()
+    text = render_html(summary, None)
+    check_html(text)
+    table = text[text.index("<h2>Failures</h2>"):].split("</table>")[0]
+    cells = re.findall(r"<td[^>]*>(.*?)</td>", table)
+    assert cells[:10] == ["1", "logits", "reference", "17.2", "31", "1", "5", "tp1pp2/eager", "yes", "4.5"], cells
+    assert cells[10:20] == ["2", "fa_invariants", "–", "19.5", "39", "2", "9", "tp1pp8/graph", "no", "60.0"], cells
+    assert "0 of 1 failure(s) minimal in 58.2 s (budget 60 s)" in text
+    md = job_summary_md(summary)
+    assert ("found after 17.2 s (31 examples before); reproducer 1 request(s), 5 tokens, tp1pp2/eager, "
+            "minimal: yes") in md
+    assert "minimal: no" in md
 
 
 def test_report_optional_sections(tmp_path) -> None:

@@ -67,6 +67,8 @@ BAD_RUN_ARGS = [
     ("zero_budget", ["--budget", "0"], "--budget"),
     ("nan_budget", ["--budget", "nan"], "--budget"),
     ("unknown_profile", ["--profile", "weekly"], "weekly"),
+    ("negative_shrink_budget", ["--shrink-budget", "-1"], "--shrink-budget"),
+    ("nan_shrink_budget", ["--shrink-budget", "nan"], "--shrink-budget"),
 ]
 
 
@@ -128,6 +130,58 @@ def test_run_with_fault_exits_1_writes_reproducer_that_replays(capsys, tmp_path)
     assert code == 1
     doc = json.loads(out)
     assert doc["reproduces"] is True and doc["property"] == doc["recorded_property"] == repro.property
+    assert doc["verdict"] == "reproduces" and doc["kind"] == doc["recorded_kind"]
+
+
+def test_run_json_times_and_sizes_each_finding(capsys, tmp_path) -> None:
+    """`run --json`: each failure says when it was found (seconds, examples before it), its
+    property and oracle, the reproducer's size and whether it is minimal; the shrink phase
+    says what it did (null: nothing was left to it). The text summary has the same table."""
+    out_dir = tmp_path / "repro"
+    code, out, err = run_cli(capsys, "run", "--fault", "pp_uneven_partition", "--layouts", "tp1pp3", "--modes",
+                             "eager", "--budget", "20", "--out", str(out_dir), "--json")
+    assert code == 1, err[-2000:]
+    doc = json.loads(out)
+    (f,) = doc["failure_details"]
+    assert f["property"] == "logits" and f["oracle"] == "reference"
+    assert f["seconds_to_find"] > 0 and f["examples_before"] >= 0
+    assert f["size"] == {"requests": 1, "tokens": 1, "layout": "tp1pp3", "mode": "eager"}, f
+    assert f["minimal"] is True and f["shrink_seconds"] >= 0
+    assert "shrink_phase" in doc  # null when the budget left nothing unshrunk
+    assert load_reproducer(f["path"]).meta["minimal"] is True
+    from fuzz.findings import findings_table
+
+    table = findings_table([{**f, **f["size"]}])
+    assert "tp1pp3/eager" in table and table.splitlines()[1].split()[-1] == "yes"
+
+
+def _fault_reproducer(tmp_path, prop: str, message: str) -> str:
+    case = Case(FUZZ_MODEL.replace(layout="tp1pp3"), Workload((RequestSpec((1,), 1),)), faults=("pp_uneven_partition",))
+    return write_reproducer(str(tmp_path), case, prop, message)
+
+
+REPLAYS = [  # pp_uneven_partition on tp1pp3 shows as logits beyond tolerance
+    ("as_recorded", "logits", "request r0 position 0: max |logits - reference| = 0.9 > tolerance 7.7e-05", 1,
+     "reproduces"),
+    ("another_property", "fa_invariants", "rank 0 layer 0 microbatch 0: cu_seqlens_q[1]=1 != num_actual_tokens=5", 4,
+     "differs"),
+    ("another_kind_of_message", "logits", "request r0 position 0: 128 non-finite logits (step 1, microbatch 0)", 4,
+     "differs"),
+]
+
+
+@pytest.mark.parametrize("prop,message,code,verdict", [r[1:] for r in REPLAYS], ids=[r[0] for r in REPLAYS])
+def test_replay_exit_code_says_what_reproduced(capsys, tmp_path, prop, message, code, verdict) -> None:
+    """Exit 1 only when the recorded property and kind of message come back; another violation
+    is exit 4, and the text says what was recorded and what happened instead."""
+    path = _fault_reproducer(tmp_path, prop, message)
+    got, out, err = run_cli(capsys, "replay", path, "--json")
+    assert got == code, out + err
+    doc = json.loads(out)
+    assert doc["verdict"] == verdict and doc["reproduces"] is (code == 1) and doc["property"] == "logits"
+    got, out, err = run_cli(capsys, "replay", path)
+    assert got == code
+    assert ("Not what was recorded" in out) is (code == 4), out
 
 
 def _passing_reproducer(tmp_path) -> str:

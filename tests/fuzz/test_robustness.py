@@ -126,6 +126,43 @@ def test_sigterm_during_selftest_stops_it_and_prints_the_faults_run(tmp_path):
     assert "pp_stale_new_token_ids" not in out, "the selftest went on to the next fault"
 
 
+EXEC_CHILD = """
+import os, signal, sys
+from fuzz.cli import _terminate_as_interrupt
+signal.signal(signal.SIGTERM, _terminate_as_interrupt)
+try:
+    exec("import os, signal, time\\nos.kill(os.getpid(), signal.SIGTERM)\\ntime.sleep(30)", {})
+except KeyboardInterrupt:
+    sys.exit(130)
+"""
+
+
+def test_signal_inside_exec_of_a_string_still_exits_with_the_code(tmp_path):
+    """The window of the selftest's death by SIGINT (-2 instead of 130): a SIGTERM whose handler
+    raises while the main thread runs code from a source string (Hypothesis builds its test
+    wrappers with exec(str)). CPython then remembers an 'unhandled' KeyboardInterrupt although
+    it was caught, and a `python -m` process kills itself with SIGINT at exit. The handler's
+    StopRequested (a KeyboardInterrupt subclass) is not remembered: the exit code stands."""
+    (tmp_path / "exec_child.py").write_text(EXEC_CHILD)
+    env = dict(os.environ, PYTHONPATH=REPO)
+    r = subprocess.run([sys.executable, "-m", "exec_child"], capture_output=True, text=True, env=env, cwd=tmp_path,
+                       timeout=120)
+    assert r.returncode == 130, (r.returncode, r.stderr[-2000:])
+
+
+def test_signal_after_the_command_finished_does_not_kill_it(tmp_path):
+    """Once main() is done, the `llmfuzz` command keeps a handler that only sets the stop flag:
+    a SIGTERM arriving while the process exits cannot turn its exit code into a signal death."""
+    child = ("import os, signal, sys\nfrom fuzz import cli\n"
+             "code = cli.main(['faults', '--json'], restore_signals=False)\n"
+             "os.kill(os.getpid(), signal.SIGTERM)\nos.kill(os.getpid(), signal.SIGINT)\nsys.exit(code + 5)\n")
+    (tmp_path / "after_child.py").write_text(child)
+    env = dict(os.environ, PYTHONPATH=REPO)
+    r = subprocess.run([sys.executable, "-m", "after_child"], capture_output=True, text=True, env=env, cwd=tmp_path,
+                       timeout=120)
+    assert r.returncode == 5, (r.returncode, r.stderr[-2000:])
+
+
 @pytest.mark.slow
 def test_sigterm_on_clean_campaign_exits_zero_quickly(tmp_path):
     proc = _start(["--budget", "300", "--layouts", "tp2pp2", "--modes", "eager", "--json"], tmp_path)

@@ -20,7 +20,7 @@ from engine.schedule import Schedule
 from fuzz.case import Case, RequestSpec, Workload
 from fuzz.harness import Harness
 from fuzz.properties import LogitsMismatch, Violation
-from fuzz.shrink import minimize
+from fuzz.shrink import candidates, minimize
 from fuzz.strategies import DEFAULT_LAYOUTS, FUZZ_MODEL, cases
 
 BLOCK = FUZZ_MODEL.block_size
@@ -31,10 +31,10 @@ def planted_bug(monkeypatch):
     """Corrupt one logits row when pp >= 2 and the batch holds a block-crossing prompt."""
     orig_prepare, orig_execute, orig_reset = GPUModelRunner.prepare, GPUModelRunner.execute, GPUModelRunner.reset
 
-    def reset(self):
+    def reset(self, *args, **kwargs):  # whatever the runner's reset takes (its poison mode)
         self._planted_prompt_len = {}
         self._planted_crossing = {}
-        return orig_reset(self)
+        return orig_reset(self, *args, **kwargs)
 
     def prepare(self, so):
         lens = self.__dict__.setdefault("_planted_prompt_len", {})
@@ -196,3 +196,107 @@ def test_minimal_case_passes_without_the_plant(harness) -> None:
         harness.check(case)
     except Violation as v:  # pragma: no cover - a real engine bug
         pytest.fail(f"engine fails the minimal case without the plant: {v}")
+
+
+# -- the shrink phase: what the campaign's budget cut short is finished after it ----------------
+
+def test_failure_found_late_ends_minimal_within_the_shrink_budget(tmp_path) -> None:
+    """A registry fault (pp_uneven_partition: shows on any uneven pp split), found on the first
+    example of a tp2pp3-only campaign whose budget leaves it no time to minimize (shrink_s=0:
+    nothing is minimized during the campaign, as when the budget ends right after the
+    finding). The shrink phase after the budget takes it to the minimal Case (tp1pp3, one
+    request of one token), records `minimal: true` in the reproducer and the summary,
+    replaces the unshrunk file, and stays within its budget."""
+    from fuzz.campaign import Campaign
+    from fuzz.reproduce import load_reproducer
+
+    out = tmp_path / "out"
+    camp = Campaign(layouts=("tp2pp3",), modes=("eager",), faults=("pp_uneven_partition",), budget_s=2,
+                    shrink_s=0, shrink_budget_s=120, out_dir=str(out), stop_on_failure=True, progress=False)
+    s = camp.run()
+    assert len(s.failures) == 1 and not s.interrupted
+    f = s.failures[0]
+    # It left the campaign unshrunk (tp2pp3) and came out of the shrink phase minimal.
+    assert camp.shrink_report["failures"] == 1 and camp.shrink_report["minimal"] == 1, camp.shrink_report
+    assert camp.shrink_report["seconds"] <= 120
+    assert f.minimal is True and f.size == {"requests": 1, "tokens": 1, "layout": "tp1pp3", "mode": "eager"}
+    assert f.seconds_to_find is not None and f.examples_before == 0
+    files = list(out.rglob("*.json"))
+    assert [str(p) for p in files] == [f.path]  # the unshrunk version was replaced, not kept
+    repro = load_reproducer(f.path)
+    assert repro.meta["minimal"] is True and repro.case.layout == "tp1pp3"
+    assert repro.meta["seconds_to_find"] == f.seconds_to_find and repro.meta["examples_before"] == 0
+
+
+def test_stop_during_the_shrink_phase_keeps_the_smallest_so_far(tmp_path) -> None:
+    """Ctrl-C (the stop flag, as the signal handler sets it) in the middle of the shrink
+    phase: the campaign reports itself interrupted, and the reproducer on disk is the
+    smallest failing Case seen before the stop, marked not minimal."""
+    from fuzz.campaign import Campaign, request_stop
+    from fuzz.harness import Harness
+    from fuzz.reproduce import load_reproducer
+
+    class StopAtTp1(Harness):
+        """Stops the run (as the signal handler does) once the minimizer tries tp1pp1."""
+
+        def check(self, case):
+            if case.layout == "tp1pp1" and case.faults:
+                request_stop()
+            return super().check(case)
+
+    h = StopAtTp1()
+    out = tmp_path / "out"
+    try:
+        camp = Campaign(layouts=("tp2pp3",), modes=("eager",), faults=("pp_uneven_partition",), budget_s=2,
+                        shrink_s=0, shrink_budget_s=120, out_dir=str(out), stop_on_failure=True, progress=False,
+                        harness=h)
+        s = camp.run()
+    finally:
+        h.close()
+    assert s.interrupted and camp.shrink_report["interrupted"] and len(s.failures) == 1
+    files = list(out.rglob("*.json"))
+    assert [str(p) for p in files] == [s.failures[0].path]
+    repro = load_reproducer(s.failures[0].path)
+    assert repro.meta["minimal"] is False and s.failures[0].minimal is False
+    assert repro.case.layout == "tp2pp3"  # tp1pp1 is the minimizer's first candidate: nothing smaller yet
+
+
+def test_shrink_phase_takes_the_fastest_found_first_and_reports_minimal() -> None:
+    """fuzz.shrink_phase.ShrinkPhase on a cheap target (no engine): failures are taken in the
+    order they were found fastest, each result is handed to the writer with `minimal`, and a
+    failure that does not happen again is left as it was (not minimal, not retried)."""
+    from fuzz.properties import LogitsMismatch
+    from fuzz.shrink_phase import Pending, ShrinkPhase
+    from fuzz.target import Failure
+
+    class Cheap:
+        confirm_before_shrink, order = True, []
+
+        def check(self, case):
+            self.order.append(case.config.seed)
+            if case.config.seed != 3 and any(len(r.prompt_token_ids) >= 10 for r in case.workload.requests):
+                raise LogitsMismatch("long prompt", case, 2.0, "reference")
+
+        def simpler(self, case):
+            return candidates(case)
+
+    def pending(seed: int, found_s: float) -> Pending:
+        case = _case(3, 25, 7, 12, seed=seed)
+        return Pending(Failure("logits", "long prompt", case.describe(), None, 2.0, "reference",
+                               seconds_to_find=found_s), LogitsMismatch("long prompt", case, 2.0, "reference"), False)
+
+    target, written = Cheap(), {}
+    todo = [pending(1, 30.0), pending(2, 5.0), pending(3, 10.0)]  # seed 3: does not fail again
+
+    def rewrite(p, r, seconds):
+        written[p.failure.seconds_to_find] = r
+
+    phase = ShrinkPhase(target, 60.0, rewrite)
+    assert phase.run(todo) is False
+    firsts = [s for i, s in enumerate(target.order) if s not in target.order[:i]]
+    assert firsts == [2, 3, 1]  # found after 5 s, 10 s, 30 s
+    assert written[5.0].minimal and written[30.0].minimal
+    (small,) = written[5.0].violation.case.workload.requests
+    assert len(small.prompt_token_ids) == 10
+    assert not written[10.0].minimal and not written[10.0].reproducible and target.order.count(3) == 1
+    assert phase.report(todo)["failures"] == 3 and phase.seconds < 60

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import strategies as st
 
 from fuzz.campaign import Campaign
-from fuzz.case import CASE_FORMAT, PLAIN_FORMAT, Case, RequestSpec, Workload
+from fuzz.case import PLAIN_FORMAT, TARGET_FORMAT, Case, RequestSpec, Workload
 from fuzz.properties import CrashViolation, LogitsMismatch
 from fuzz.reproduce import load_reproducer, write_reproducer
 from fuzz.shrink import minimize
@@ -31,7 +31,7 @@ def test_reference_case_json_is_unchanged_and_a_vllm_case_carries_its_target():
     assert d["format"] == PLAIN_FORMAT and "target" not in d and "target_options" not in d
     v = _case(target="vllm", target_options={"enable_prefix_caching": True})
     d = v.to_dict()
-    assert d["format"] == CASE_FORMAT and d["target"] == "vllm"
+    assert d["format"] == TARGET_FORMAT and d["target"] == "vllm"
     assert Case.from_json(v.to_json()) == v and Case.from_json(_case().to_json()) == _case()
 
 

@@ -1,0 +1,76 @@
+"""What a campaign says about each failure it found: when (seconds and examples before it),
+what (property, oracle), how small its reproducer is (requests, tokens, layout, mode) and
+whether the minimizer got it to a minimum. One place, for the reproducer's JSON, the
+`run --json` summary, the printed table and selftest.
+
+Plain data only (no torch): fuzz.report renders the same fields from JSON.
+"""
+from __future__ import annotations
+
+FIELDS = ("seconds_to_find", "examples_before", "property", "oracle", "requests", "tokens", "layout", "mode",
+          "minimal")
+
+
+def case_size(case) -> dict:
+    """The shrunk size a finding reports: requests, prompt tokens, layout, mode."""
+    return {"requests": len(case.workload.requests), "tokens": case.workload.num_prompt_tokens,
+            "layout": case.layout, "mode": case.mode}
+
+
+def finding(failure) -> dict:
+    """One Failure (fuzz.target) as the flat row the summary table and the report show."""
+    size = failure.size or {}
+    return {"seconds_to_find": failure.seconds_to_find, "examples_before": failure.examples_before,
+            "property": failure.property, "oracle": failure.oracle, **{k: size.get(k) for k in FIELDS[4:8]},
+            "minimal": failure.minimal}
+
+
+def _cell(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:.1f}"
+    return str(v)
+
+
+def findings_table(rows: list[dict]) -> str:
+    """The failures as a table: `rows` are `finding()` dicts (or the same keys from JSON)."""
+    head = f"{'#':>2} {'found s':>8}{'ex.before':>10}  {'property':<18}{'oracle':<13}{'reqs':>5}{'toks':>5}" \
+           f"  {'layout/mode':<14}{'minimal':>8}"
+    out = [head]
+    for i, r in enumerate(rows, 1):
+        where = f"{r.get('layout') or '-'}/{r.get('mode') or '-'}"
+        out.append(f"{i:>2} {_cell(r.get('seconds_to_find')):>8}{_cell(r.get('examples_before')):>10}  "
+                   f"{_cell(r.get('property')):<18}{_cell(r.get('oracle')):<13}{_cell(r.get('requests')):>5}"
+                   f"{_cell(r.get('tokens')):>5}  {where:<14}{_cell(r.get('minimal')):>8}")
+    return "\n".join(out)
+
+
+def run_json(summary, shrink_report: dict | None) -> dict:
+    """`llmfuzz run --json`: the summary's JSON, each failure with its finding fields (already
+    in `failure_details`), and what the shrink phase did (null: nothing was left to it)."""
+    doc = summary.to_json()
+    doc["shrink_phase"] = shrink_report
+    return doc
+
+
+def run_text(summary, shrink_report: dict | None) -> str:
+    """`llmfuzz run`'s printed summary: the per-cell table, the findings table, then each
+    failure with its replay command."""
+    out = [summary.table()]
+    if summary.failures:
+        out += ["", "findings (seconds and examples before the first failing one; the reproducer's size):",
+                findings_table([finding(f) for f in summary.failures])]
+        if shrink_report:
+            out.append(f"shrink phase: {shrink_report['minimal']} of {shrink_report['failures']} minimal "
+                       f"in {shrink_report['seconds']:.1f}s (budget {shrink_report['budget_s']:.0f}s)"
+                       + (", interrupted" if shrink_report.get("interrupted") else ""))
+    for f in summary.failures:
+        by = f" (against {f.oracle})" if f.oracle else ""
+        out.append(f"\nFAILED {f.property}{by}: {f.message}\n  case: {f.case_desc}\n"
+                   f"  Reproduce with: llmfuzz replay {f.path}")
+    if summary.interrupted:
+        out.append("(interrupted: summary so far)")
+    return "\n".join(out)
