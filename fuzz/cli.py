@@ -61,7 +61,9 @@ def cmd_run(args) -> int:
     profile = _load_profile(args.profile)
     oracles = _oracles(args)
     target = _kernel_cells(bases, layouts, modes, args, oracles)
-    camp = Campaign(target=target, oracles=oracles, isolate=args.isolate, poison=_poison(args), use_database=profile in ("nightly", "repro"), layouts=layouts, modes=modes, faults=tuple(args.fault), seed=args.seed,
+    camp = Campaign(target=target, oracles=oracles, isolate=args.isolate, poison=_poison(args),
+                    use_database=profile in ("nightly", "repro"), layouts=layouts, modes=modes,
+                    faults=tuple(args.fault), seed=args.seed,
                     out_dir=args.out or "reproducers", budget_s=args.budget, shrink_budget_s=_shrink_budget(args),
                     stop_on_failure=bool(args.fault) and not args.keep_going,
                     progress=not args.json and not args.quiet, base=base)
