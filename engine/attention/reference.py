@@ -4,9 +4,10 @@ It computes what FlashAttention-2 launches, from the scalars it is given. FA2 la
 ceil(max_seqlen_q / tile) row tiles per sequence (`FA2_PAGED_TILE_Q` = 64 rows with paged
 KV) and loops over each sequence's own key blocks (`seqused_k`), whatever `max_seqlen_k`
 says; it writes only the rows it launched, so every other row of the output keeps what
-that memory held before -- stale, finite values on a GPU. So
-does this backend, given the output memory (`out`): an understated max_seqlen_q changes a
-result only where a GPU's would change, in whole tiles, and leaves finite garbage, not NaN.
+that memory held before -- stale, finite values on a GPU. So does this backend, given the
+output memory (`out`): an understated max_seqlen_q changes a result only where a GPU's would
+change, in whole tiles, and those rows hold whatever the memory held (finite garbage, or NaN
+only when the engine's reset left NaN there: engine/poison.py).
 `tile_q=None` cuts rows at max_seqlen_q exactly (for unit tests); without `out` the rows
 not computed are NaN. Keys are read within a work width of max(max_seqlen_k, key_len_pad):
 the engine pads it to max_model_len, so there an understated max_seqlen_k changes nothing,
