@@ -18,8 +18,9 @@ from engine.schedule import Schedule
 from fuzz.case import Case, RequestSpec, Workload
 from fuzz.harness import Harness
 from fuzz.properties import (DeterminismViolation, EngineViolation, FAViolation, CrashViolation, LivenessViolation, LogitsMismatch,
-                             Violation, check_determinism)
+                             check_determinism)
 from fuzz.strategies import FUZZ_MODEL, cases, tokens_from_seed
+from fuzz_testutil import violation_on_fresh_engines
 
 # Examples per layout and mode: the heavy layouts (many rank threads on 2 cores) get fewer,
 # and graph mode (a capture per size per pooled engine, about 5 s an example here) runs on
@@ -152,17 +153,6 @@ FAULT_CASES = [
      Case(FUZZ_MODEL.replace(speculative_method="ngram", num_speculative_tokens=2),
           Workload((RequestSpec((1, 2, 1, 2, 1, 2), 6),)), faults=("spec_rollback_missing",)), EngineViolation),
 ]
-
-
-def violation_on_fresh_engines(case: Case) -> Violation:
-    """The Violation a new Harness (engines no other Case ran on) finds in `case`."""
-    h = Harness()
-    try:
-        with pytest.raises(Violation) as ei:
-            h.check(case)
-    finally:
-        h.close()
-    return ei.value
 
 
 def test_every_registry_fault_has_a_case() -> None:

@@ -20,6 +20,7 @@ from fuzz.harness import Harness
 from fuzz.properties import Violation
 from fuzz.reproduce import load_reproducer, message_kind, replay_verdict, write_reproducer
 from fuzz.strategies import FUZZ_MODEL
+from fuzz_testutil import violation_on_fresh_engines
 
 ROOT = Path(__file__).resolve().parents[2]
 REPRO_DIR = ROOT / "reproducers"
@@ -41,13 +42,7 @@ def check_reproducer(path: str, clean_harness: Harness) -> None:
     repro = load_reproducer(path)
     case = repro.case
     if case.faults:
-        h = Harness()
-        try:
-            with pytest.raises(Violation) as ei:
-                h.check(case)
-        finally:
-            h.close()
-        v = ei.value
+        v = violation_on_fresh_engines(case)
         # The same property and the same kind of message: "non-finite logits" recorded and
         # "max |logits - reference|" now is another bug, or the recorded one gone half-way.
         assert replay_verdict(repro, v) == "reproduces", (
