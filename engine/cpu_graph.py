@@ -30,6 +30,8 @@ import torch
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
+from engine.custom_ops import EAGER_IMPLS, tracing_ops
+
 # make_fx keeps global tracing state and is not thread-safe: one trace at a time.
 CAPTURE_LOCK = threading.Lock()
 # Custom ops whose int arguments name per-rank state (a sink or group key): op -> arg index.
@@ -152,13 +154,15 @@ def _trace(fn: Callable, spec: CaptureSpec, state: list, tree, static_args: list
     with CAPTURE_LOCK:
         # Fake mode: collectives and KV writes do not execute while tracing; a host read of
         # a device value fails here, as it would break a CUDA graph.
-        gm = make_fx(traced, tracing_mode="fake", _allow_non_fake_inputs=True)(*inputs)
+        with tracing_ops():  # the model calls the custom ops, so the graph records them
+            gm = make_fx(traced, tracing_mode="fake", _allow_non_fake_inputs=True)(*inputs)
     STATS["traces"] += 1
     STATS["trace_seconds"] += time.perf_counter() - t0
     roles, shareable = _lift_roles(gm, spec.roles)
     shareable = shareable and not any(nd.op == "get_attr" and isinstance(getattr(gm, nd.target), torch.Tensor)
                                       for nd in gm.graph.nodes)
     shape_inputs = _shape_inputs(gm, len(inputs))
+    _call_impls(gm)
     # Kept: the generated forward alone. Its code reads only its inputs (no tensor constants,
     # checked above for a shared trace), so neither the GraphModule nor the FX graph with its
     # fake tensors needs to live on; the graph of an unshared trace dies with its capture.
@@ -201,6 +205,16 @@ def _lift_roles(gm: GraphModule, roles: dict) -> tuple[tuple[str, ...], bool]:
             nd.args = tuple(args)
     gm.recompile()
     return tuple(lifted), known
+
+
+def _call_impls(gm: GraphModule) -> None:
+    """Replay calls each custom op's own function, with the arguments the trace recorded:
+    the same code the op runs, without the dispatcher's cost on every call."""
+    for nd in gm.graph.nodes:
+        name = getattr(getattr(nd.target, "_schema", None), "name", None) if nd.op == "call_function" else None
+        if name in EAGER_IMPLS:
+            nd.target = EAGER_IMPLS[name]
+    gm.recompile()
 
 
 def _shape_inputs(gm: GraphModule, num_inputs: int) -> tuple[int, ...]:

@@ -11,12 +11,14 @@ of the metadata module, which imports this one to register the ops.
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 
 import torch
 
-from engine.attention.reference import FA2_PAGED_TILE_Q, reshape_and_cache, varlen_attention
+from engine.attention.reference import FA2_PAGED_TILE_Q, PlanCache, reshape_and_cache, varlen_attention
 
 _keys = itertools.count(1)
 # Weak values: the registries only find an engine's groups and sinks while the engine owns
@@ -24,6 +26,26 @@ _keys = itertools.count(1)
 # weights, KV cache and captured graphs): about 5 MB per engine over a long campaign.
 GROUPS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()  # key -> GroupCoordinator
 SINKS: "weakref.WeakValueDictionary[int, AttentionSink]" = weakref.WeakValueDictionary()  # key -> a runner's recording state
+
+
+# Whether this thread is tracing a graph (engine/cpu_graph.py). Only a trace needs the ops
+# themselves; everywhere else the same Python functions are called directly, which saves the
+# dispatcher's ~10-80 us per call -- several calls per layer, the largest cost of a tiny step.
+_trace_state = threading.local()
+
+
+def tracing() -> bool:
+    return getattr(_trace_state, "on", False)
+
+
+@contextmanager
+def tracing_ops():
+    """While tracing: the model calls the custom ops, so the graph records them."""
+    _trace_state.on = True
+    try:
+        yield
+    finally:
+        _trace_state.on = False
 
 
 # FACallRecord fields that say where a call happened, not what the kernel was handed.
@@ -104,9 +126,12 @@ class AttentionSink:
     attn_out: torch.Tensor | None = None
     backend: str = "reference"
     _snap: tuple | None = field(default=None, repr=False)  # this forward's metadata copy
+    # The reference kernel's launch plan, made by a forward's first layer for all of them.
+    plans: PlanCache = field(default_factory=PlanCache, repr=False)
 
     def reset_snapshot(self) -> None:
         self._snap = None
+        self.plans.clear()
 
 
 def register_sink(sink: AttentionSink) -> int:
@@ -116,24 +141,40 @@ def register_sink(sink: AttentionSink) -> int:
 
 
 def tp_all_reduce(group, t: torch.Tensor) -> torch.Tensor:
-    return t if group.world_size == 1 else torch.ops.llmfuzz.all_reduce(t, group.op_key)
+    if group.world_size == 1:
+        return t
+    return torch.ops.llmfuzz.all_reduce(t, group.op_key) if tracing() else group.all_reduce(t)
 
 
 def tp_all_gather(group, t: torch.Tensor, dim: int) -> torch.Tensor:
     if group.world_size == 1:
         return t
+    if not tracing():
+        return group.all_gather(t, dim=dim % t.dim())
     return torch.ops.llmfuzz.all_gather(t, group.op_key, dim % t.dim(), group.world_size)
 
 
 def tp_reduce_scatter(group, t: torch.Tensor, dim: int) -> torch.Tensor:
     if group.world_size == 1:
         return t
+    if not tracing():
+        return reduce_scatter_impl(t, group.op_key, dim % t.dim(), group.world_size)
     return torch.ops.llmfuzz.reduce_scatter(t, group.op_key, dim % t.dim(), group.world_size)
 
 
-@torch.library.custom_op("llmfuzz::all_reduce", mutates_args=())
-def all_reduce(t: torch.Tensor, group: int) -> torch.Tensor:
+def all_reduce_impl(t: torch.Tensor, group: int) -> torch.Tensor:
     return GROUPS[group].all_reduce(t)
+
+
+def all_gather_impl(t: torch.Tensor, group: int, dim: int, world_size: int) -> torch.Tensor:
+    return GROUPS[group].all_gather(t, dim=dim)
+
+
+def reduce_scatter_impl(t: torch.Tensor, group: int, dim: int, world_size: int) -> torch.Tensor:
+    return GROUPS[group].reduce_scatter(t, dim=dim).clone()
+
+
+all_reduce = torch.library.custom_op("llmfuzz::all_reduce", all_reduce_impl, mutates_args=())
 
 
 @all_reduce.register_fake
@@ -141,9 +182,7 @@ def _(t, group):
     return torch.empty_like(t)
 
 
-@torch.library.custom_op("llmfuzz::all_gather", mutates_args=())
-def all_gather(t: torch.Tensor, group: int, dim: int, world_size: int) -> torch.Tensor:
-    return GROUPS[group].all_gather(t, dim=dim)
+all_gather = torch.library.custom_op("llmfuzz::all_gather", all_gather_impl, mutates_args=())
 
 
 @all_gather.register_fake
@@ -153,9 +192,7 @@ def _(t, group, dim, world_size):
     return t.new_empty(shape)
 
 
-@torch.library.custom_op("llmfuzz::reduce_scatter", mutates_args=())
-def reduce_scatter(t: torch.Tensor, group: int, dim: int, world_size: int) -> torch.Tensor:
-    return GROUPS[group].reduce_scatter(t, dim=dim).clone()
+reduce_scatter = torch.library.custom_op("llmfuzz::reduce_scatter", reduce_scatter_impl, mutates_args=())
 
 
 @reduce_scatter.register_fake
@@ -165,8 +202,7 @@ def _(t, group, dim, world_size):
     return t.new_empty(shape)
 
 
-@torch.library.custom_op("llmfuzz::unified_attention", mutates_args=("k_cache", "v_cache"))
-def unified_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+def unified_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                       block_table: torch.Tensor, slot_mapping: torch.Tensor, max_seqlen_q: int,
                       max_seqlen_k: int, scale: float, sink: int, layer: int) -> torch.Tensor:
@@ -183,7 +219,14 @@ def unified_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     return varlen_attention(q, k_cache, v_cache, query_start_loc, max_seqlen_q, seq_lens, max_seqlen_k,
                             block_table, scale, causal=True, tile_q=s.tile_q if s is not None else None,
                             key_len_pad=s.key_len_pad if s is not None else None,
-                            out=_out_memory(s, q))
+                            out=_out_memory(s, q), plans=s.plans if s is not None else None)
+
+
+unified_attention = torch.library.custom_op("llmfuzz::unified_attention", unified_attention_impl,
+                                            mutates_args=("k_cache", "v_cache"))
+# What a replayed trace calls instead of each op (engine/cpu_graph.py): the op's own function.
+EAGER_IMPLS = {"llmfuzz::unified_attention": unified_attention_impl, "llmfuzz::all_reduce": all_reduce_impl,
+               "llmfuzz::all_gather": all_gather_impl, "llmfuzz::reduce_scatter": reduce_scatter_impl}
 
 
 def _out_memory(s: AttentionSink | None, q: torch.Tensor) -> torch.Tensor | None:

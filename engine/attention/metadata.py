@@ -14,7 +14,7 @@ import torch
 
 # Also registers torch.ops.llmfuzz.* (AttentionContext calls them). FACallRecord is
 # defined there, beside the op that records it, so that module needs nothing of this one.
-from engine.custom_ops import FACallRecord  # noqa: F401  (re-exported)
+from engine.custom_ops import FACallRecord, tracing, unified_attention_impl  # noqa: F401  (FACallRecord: re-exported)
 
 
 @dataclass(slots=True)
@@ -80,6 +80,6 @@ class AttentionContext:
     def _attend(self, layer: int, q, k, v, slot_mapping) -> torch.Tensor:
         md = self.md
         k_cache, v_cache = self.kv_caches[layer]
-        return torch.ops.llmfuzz.unified_attention(
-            q, k, v, k_cache, v_cache, md.query_start_loc, md.seq_lens, md.block_table_tensor,
-            slot_mapping, int(md.max_query_len), int(md.max_seq_len), self.scale, self.sink, layer)
+        op = torch.ops.llmfuzz.unified_attention if tracing() else unified_attention_impl
+        return op(q, k, v, k_cache, v_cache, md.query_start_loc, md.seq_lens, md.block_table_tensor,
+                  slot_mapping, int(md.max_query_len), int(md.max_seq_len), self.scale, self.sink, layer)

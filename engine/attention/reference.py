@@ -15,8 +15,16 @@ as on the GPU (only the invariant check sees it); without the pad, keys past max
 fall outside the work and are dropped. Keys are gathered through the block table only below each
 sequence's `seqused_k`, so poisoned or out-of-range entries past the live batch are never
 touched.
+
+The launch -- which (sequence, row) pairs run, which KV slots each reads, its mask -- depends
+on the metadata only, so it is planned once (`plan_launch`) and reused by every layer of a
+forward, every TP rank and the reference run of the same batch: a tiny model's step is
+dominated by such per-call work, not by arithmetic.
 """
 from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 
@@ -41,118 +49,191 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
         # Padded rows may hold NaN (poisoned inputs); the null block must stay finite.
         k = torch.where(valid, k, torch.zeros_like(k))
         v = torch.where(valid, v, torch.zeros_like(v))
-    else:
+    elif not bool((slots >= 0).all()):
         keep = (slots >= 0).nonzero().squeeze(1)
         k, v, slots = k[keep], v[keep], slots[keep]
-    flat_k[slots] = k
-    flat_v[slots] = v
+    flat_k.index_copy_(0, slots, k)
+    flat_v.index_copy_(0, slots, v)
 
 
 def varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      cu_seqlens_q: torch.Tensor, max_seqlen_q: int, seqused_k: torch.Tensor,
                      max_seqlen_k: int, block_table: torch.Tensor, softmax_scale: float,
                      causal: bool = True, tile_q: int | None = None,
-                     key_len_pad: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                     key_len_pad: int | None = None, out: torch.Tensor | None = None,
+                     plans: "PlanCache | None" = None) -> torch.Tensor:
     """q: [T, Hq, D]; caches: [num_blocks, block_size, Hkv, D]; returns [T, Hq, D].
 
     `out`: the output memory, [>= T, Hq, D]. The computed rows are written into it, as the
     kernel writes its output buffer, and rows not launched keep its earlier contents.
+    `plans`: a GPU sink's cache of the launch (`plan_launch`): every layer of a forward
+    reads the same buffers (engine/custom_ops.py).
 
-    Work shapes are padded (query rows to a multiple of 16, keys to `key_len_pad`) so a
-    row's result does not depend on the batch's other sequences or on the scalars beyond
-    what they include: eager and padded graph runs agree bitwise."""
+    Each launched (sequence, row) pair is computed on its own, over a key width that masks
+    what it may not see, so a row's bits do not depend on the batch's other sequences, on
+    the padding, or on the width: eager and padded graph runs agree bitwise."""
     T, Hq, D = q.shape
-    res = _varlen_rows(q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k,
-                       block_table, softmax_scale, causal, tile_q, key_len_pad,
-                       torch.full_like(q, float("nan")) if out is None else out[:T].to(q.dtype, copy=True))
+    plan = plan_launch(cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, T,
+                       k_cache.shape[1], causal, tile_q, key_len_pad, plans)
+    mem = torch.empty((T + 1, Hq, D), dtype=q.dtype, device=q.device)  # row T: the trash row
+    if out is None:
+        mem[:T].fill_(float("nan"))
+    else:
+        mem[:T].copy_(out[:T])
+    if plan is not None:
+        res = _attend(plan, q, k_cache, v_cache, softmax_scale)
+        # Computed rows go to their place, the rest to the trash row (no boolean indexing:
+        # that would sync the device and break CUDA graph capture).
+        mem.index_put_((plan.dst,), res)
     if out is not None:
-        out[:T].copy_(res)
-    return res
+        out[:T].copy_(mem[:T])
+    return mem[:T]
 
 
-def _varlen_rows(q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k, block_table,
-                 softmax_scale, causal, tile_q, key_len_pad, out: torch.Tensor) -> torch.Tensor:
-    """varlen_attention's computation: `out` (a fresh tensor) with the launched rows replaced."""
-    T, Hq, D = q.shape
+@dataclass(slots=True)
+class LaunchPlan:
+    """What one call launches, decided by its metadata alone. The work is a list of
+    (sequence, query row) pairs: the row of q each pair reads (`q_row`), the KV slots of its
+    sequence (`slots`, Lk per pair), the keys it may not see (`blocked`) and where its
+    result is written (`dst`; T, a trash row, for a pair not launched)."""
+
+    R: int  # pairs
+    Lk: int
+    q_row: torch.Tensor  # [R]
+    slots: torch.Tensor  # [R * Lk]
+    blocked: torch.Tensor  # [R, 1, 1, Lk]: broadcast over kv heads and query-head groups
+    dst: torch.Tensor  # [R]
+
+
+class PlanCache:
+    """The last launch plan and the metadata it was made from. A forward's layers hand the
+    kernel the same buffers and scalars, so the plan is made once per forward; the key holds
+    each buffer's version counter, so any write to the metadata makes a new plan."""
+
+    __slots__ = ("key", "plan")
+
+    def __init__(self) -> None:
+        self.key, self.plan = None, None
+
+    def clear(self) -> None:
+        self.key, self.plan = None, None
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), t._version, tuple(t.shape), tuple(t.stride()), t.dtype
+
+
+# Plans by their metadata's content, on the CPU: the TP ranks of a stage, a Case's reference
+# and test runs, and the layers of a forward all launch the same work for the same batch.
+# A plan is read-only once made. Bounded: a long Case's plan holds ~1 MB of indices.
+_CPU_PLANS: "OrderedDict[tuple, LaunchPlan | None]" = OrderedDict()
+CPU_PLANS_KEPT = 32
+
+
+def plan_launch(cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, T, block_size, causal,
+                tile_q, key_len_pad, plans: PlanCache | None = None) -> LaunchPlan | None:
+    """The launch for these metadata (None: nothing is launched). On the CPU, from the
+    plans made for the same metadata content; elsewhere from `plans` when it holds one made
+    from the same buffers, unwritten since (a GPU's buffers are not read from the host)."""
+    scalars = (int(max_seqlen_q), int(max_seqlen_k), T, block_size, causal, tile_q, key_len_pad)
+    if _host_readable(cu_seqlens_q):
+        B = max(cu_seqlens_q.shape[0] - 1, 0)
+        key = (_content(cu_seqlens_q), _content(seqused_k[:B]), _content(block_table[:B])) + scalars
+        if key in _CPU_PLANS:
+            _CPU_PLANS.move_to_end(key)
+            return _CPU_PLANS[key]
+        plan = _CPU_PLANS[key] = _make_plan(cu_seqlens_q, seqused_k, block_table, *scalars, host=True)
+        if len(_CPU_PLANS) > CPU_PLANS_KEPT:
+            _CPU_PLANS.popitem(last=False)
+        return plan
+    key = None
+    if plans is not None:
+        key = (_tensor_key(cu_seqlens_q), _tensor_key(seqused_k), _tensor_key(block_table)) + scalars
+        if plans.key == key:
+            return plans.plan
+    plan = _make_plan(cu_seqlens_q, seqused_k, block_table, *scalars)
+    if plans is not None:
+        plans.key, plans.plan = key, plan
+    return plan
+
+
+def _host_readable(t: torch.Tensor) -> bool:
+    """A plain CPU tensor: its values can be read (not a GPU's, not a fake one being traced)."""
+    return type(t) is torch.Tensor and t.device.type == "cpu"
+
+
+def _content(t: torch.Tensor) -> tuple:
+    return t.dtype, tuple(t.shape), t.numpy().tobytes()
+
+
+def _make_plan(cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, T, bs, causal, tile_q,
+               key_len_pad, host: bool = False) -> LaunchPlan | None:
+    """`host`: the metadata's values may be read on the host (plain CPU tensors); the plan
+    then holds only the launched pairs and the keys some sequence has."""
     B = cu_seqlens_q.shape[0] - 1
     if B <= 0 or max_seqlen_q <= 0 or max_seqlen_k <= 0:
-        return out
-    dev = q.device
+        return None
+    dev = cu_seqlens_q.device
     cu = cu_seqlens_q.to(dev, torch.long)
     q_lens = cu[1:] - cu[:-1]
     k_lens = seqused_k[:B].to(dev, torch.long)
     rows = max_seqlen_q if tile_q is None else -(-max_seqlen_q // tile_q) * tile_q
-    Lq_valid, Lk_valid = min(int(rows), T), int(max_seqlen_k)  # no sequence has more than T rows
-    Lq = -(-Lq_valid // 16) * 16
-    Lk = max(Lk_valid, key_len_pad or 0)
-    j, q_valid, q_idx, qb = _gather_queries(q, cu, q_lens, Lq, Lq_valid)
-    p, k_valid, kb, vb = _gather_keys(k_cache, v_cache, block_table, k_lens, B, Lk, Hq, D)
+    Lq, Lk = min(int(rows), T), max(int(max_seqlen_k), key_len_pad or 0)  # no sequence has more than T rows
+    if key_len_pad and host:
+        # Keys past every sequence's seqused_k are masked, and a masked key changes no bit of
+        # a row's result (test_reference_attention: any work width gives the same bits), so
+        # the CPU's work stops at the batch's longest sequence, not at max_model_len. (A GPU
+        # plan cannot read seqused_k from the host.)
+        longest = -(-int(k_lens.max()) // 16) * 16
+        Lk = max(int(max_seqlen_k), min(key_len_pad, longest))
 
-    # Accumulate wider than the inputs (fp64 for fp32, fp32 for half): a head's result then
-    # does not depend on how many heads or sequences share the call.
-    acc = torch.float64 if q.dtype in (torch.float32, torch.float64) else torch.float32
-    scores = torch.einsum("bqhd,bkhd->bhqk", qb.to(acc), kb.to(acc)) * softmax_scale
-    allowed = _allowed_keys(k_valid, q_lens, k_lens, j, p, causal)
-    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    res = torch.einsum("bhqk,bkhd->bqhd", probs, vb.to(acc)).to(q.dtype)
-    return _scatter_rows(out, res, q_valid, q_idx, T)
+    # Launched pairs: row j < min(q_len, rows) of each sequence. On the host only those are
+    # computed; on a GPU every (sequence, j < Lq) pair is, the rest written to the trash row
+    # (counting the launched ones would read the device from the host, which a CUDA graph
+    # capture forbids). A pair's arithmetic is the same either way.
+    j = torch.arange(Lq, device=dev)
+    launched = j[None, :] < torch.clamp(q_lens, max=Lq)[:, None]  # [B, Lq]
+    if host:
+        b, j = launched.nonzero(as_tuple=True)
+        q_row = (cu[b] + j).clamp(0, max(T - 1, 0))
+        dst = q_row
+    else:
+        b, j = torch.arange(B, device=dev).repeat_interleave(Lq), j.repeat(B)
+        q_row = (cu[b] + j).clamp(0, max(T - 1, 0))
+        dst = torch.where(launched.reshape(-1), q_row, torch.full_like(q_row, T))
 
-
-def _gather_queries(q: torch.Tensor, cu: torch.Tensor, q_lens: torch.Tensor, Lq: int,
-                    Lq_valid: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Query rows the kernel computes: j < min(q_len, rows) of each sequence.
-    Returns (j [Lq], q_valid [B, Lq], q_idx [B, Lq], qb [B, Lq, Hq, D])."""
-    T = q.shape[0]
-    j = torch.arange(Lq, device=q.device)
-    q_valid = j[None, :] < torch.clamp(q_lens, max=Lq_valid)[:, None]  # [B, Lq]
-    q_idx = torch.where(q_valid, cu[:-1, None] + j[None, :], torch.zeros_like(j)[None, :])
-    q_idx = q_idx.clamp(0, max(T - 1, 0))
-    qb = q[q_idx]  # [B, Lq, Hq, D]
-    return j, q_valid, q_idx, qb
-
-
-def _gather_keys(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                 k_lens: torch.Tensor, B: int, Lk: int, Hq: int,
-                 D: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Keys the kernel reads: p < seqused_k within the work width Lk, page by page.
-    Returns (p [Lk], k_valid [B, Lk], kb and vb [B, Lk, Hq, D])."""
-    bs, Hkv = k_cache.shape[1], k_cache.shape[2]
-    dev = k_lens.device
+    # Keys the kernel reads: p < seqused_k within the work width Lk, page by page.
     p = torch.arange(Lk, device=dev)
     k_valid = p[None, :] < torch.clamp(k_lens, max=Lk)[:, None]  # [B, Lk]
     col = (p // bs).clamp(max=block_table.shape[1] - 1)
     blocks = block_table[:B].to(dev, torch.long)[:, col]  # [B, Lk]
     blocks = torch.where(k_valid, blocks, torch.zeros_like(blocks))
-    slots = blocks * bs + (p % bs)[None, :]
-    kb = k_cache.view(-1, Hkv, D)[slots]  # [B, Lk, Hkv, D]
-    vb = v_cache.view(-1, Hkv, D)[slots]
-    if Hq != Hkv:
-        kb = kb.repeat_interleave(Hq // Hkv, dim=2)
-        vb = vb.repeat_interleave(Hq // Hkv, dim=2)
-    return p, k_valid, kb, vb
-
-
-def _allowed_keys(k_valid: torch.Tensor, q_lens: torch.Tensor, k_lens: torch.Tensor, j: torch.Tensor,
-                  p: torch.Tensor, causal: bool) -> torch.Tensor:
-    """Which keys each query row attends to: [B, 1, Lk], or [B, Lq, Lk] when causal."""
-    allowed = k_valid[:, None, :]  # [B, 1, Lk]
+    slots = (blocks * bs + (p % bs)[None, :])[b]  # [R, Lk]
+    allowed = k_valid[b]  # [R, Lk]
     if causal:
         # Query row j sits at absolute position k_len - q_len + j (bottom-right aligned).
-        qpos = (k_lens - q_lens)[:, None] + j[None, :]  # [B, Lq]
-        allowed = allowed & (p[None, None, :] <= qpos[:, :, None])  # [B, Lq, Lk]
-    return allowed
+        qpos = (k_lens - q_lens)[b] + j  # [R]
+        allowed = allowed & (p[None, :] <= qpos[:, None])
+    return LaunchPlan(b.shape[0], Lk, q_row, slots.reshape(-1), ~allowed[:, None, None, :], dst)
 
 
-def _scatter_rows(out: torch.Tensor, res: torch.Tensor, q_valid: torch.Tensor, q_idx: torch.Tensor,
-                  T: int) -> torch.Tensor:
-    """Scatter computed rows back; rows not computed go to a trash row past the end (no
-    boolean indexing: that would sync the device and break CUDA graph capture)."""
-    Hq, D = out.shape[1], out.shape[2]
-    out = torch.cat([out, out[:1]])
-    dst = torch.where(q_valid, q_idx, torch.full_like(q_idx, T))
-    out.index_put_((dst.reshape(-1),), res.reshape(-1, Hq, D))
-    return out[:T]
+def _attend(plan: LaunchPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    """Each pair's output row, [R, Hq, D]. Query heads are grouped by their kv head (head h
+    reads kv head h // G), so keys are never repeated per query head."""
+    R, Lk = plan.R, plan.Lk
+    _, Hq, D = q.shape
+    Hkv = k_cache.shape[2]
+    G = Hq // Hkv
+    # Accumulate wider than the inputs (fp64 for fp32, fp32 for half): a row's result then
+    # does not depend on how many heads or rows share the call.
+    acc = torch.float64 if q.dtype in (torch.float32, torch.float64) else torch.float32
+    qr = q.index_select(0, plan.q_row).to(acc).view(R, Hkv, G, D)
+    kr = k_cache.view(-1, Hkv, D).index_select(0, plan.slots).to(acc).view(R, Lk, Hkv, D)
+    vr = v_cache.view(-1, Hkv, D).index_select(0, plan.slots).to(acc).view(R, Lk, Hkv, D)
+    scores = torch.matmul(qr, kr.permute(0, 2, 3, 1)) * scale  # [R, Hkv, G, Lk]
+    probs = torch.softmax(scores.masked_fill_(plan.blocked, float("-inf")), dim=-1)
+    return torch.matmul(probs, vr.transpose(1, 2)).view(R, Hq, D).to(q.dtype)
 
 
 def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -277,3 +277,47 @@ def test_reshape_and_cache_skips_padding_slots():
     assert torch.equal(flat[3], k[0]) and torch.equal(flat[6], k[2])
     assert int((k_cache != 0).sum()) == 4  # two slots x two dims, nothing else written
     assert torch.equal(v_cache.view(-1, 1, 2)[6], -k[2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_bits_do_not_depend_on_the_key_work_width(dtype):
+    """The CPU plan stops the key work at the batch's longest sequence instead of the
+    engine's key pad (max_model_len). That is only sound if masked keys change no bit of a
+    row: the same batch at every work width gives the same bits."""
+    from engine.attention.reference import _attend, _make_plan
+
+    for seed in range(40):
+        b = make_batch(random_pairs(random.Random(seed)), seed=seed)
+        q = b.q.to(dtype)
+        kc, vc = b.k_cache.to(dtype), b.v_cache.to(dtype)
+        outs = []
+        for pad in (max(b.k_lens), 96, 160, 512):
+            plan = _make_plan(b.cu_seqlens_q, b.seqused_k, b.block_table, max(b.q_lens), max(b.k_lens),
+                              b.q.shape[0], b.k_cache.shape[1], True, 64, pad)
+            assert plan.Lk == max(max(b.k_lens), pad)
+            outs.append(_attend(plan, q, kc, vc, b.scale))
+        for o in outs[1:]:
+            assert torch.equal(o, outs[0]), seed
+        # The host plan (launched pairs only, keys up to the longest sequence) writes the
+        # same bits as the GPU plan (every pair, keys up to the pad).
+        T = b.q.shape[0]
+        dev_rows = torch.full((T + 1, *q.shape[1:]), float("nan"), dtype=dtype)
+        dev_rows.index_put_((plan.dst,), outs[-1])
+        host = varlen_attention(q, kc, vc, b.cu_seqlens_q, max(b.q_lens), b.seqused_k, max(b.k_lens),
+                                b.block_table, b.scale, tile_q=64, key_len_pad=512)
+        assert torch.equal(host, dev_rows[:T]), seed
+
+
+def test_one_plan_serves_every_call_with_the_same_metadata_content():
+    """Two ranks' buffers with equal contents share one launch plan; a write to the
+    metadata makes a new one."""
+    from engine.attention import reference as ref
+
+    b = make_batch([(1, 9), (5, 12), (3, 3)], seed=3)
+    args = (max(b.q_lens), max(b.k_lens), b.q.shape[0], b.k_cache.shape[1], True, 64, 64)
+    p1 = ref.plan_launch(b.cu_seqlens_q, b.seqused_k, b.block_table, *args)
+    p2 = ref.plan_launch(b.cu_seqlens_q.clone(), b.seqused_k.clone(), b.block_table.clone(), *args)
+    assert p1 is p2
+    sl = b.seqused_k.clone()
+    sl[0] -= 1
+    assert ref.plan_launch(b.cu_seqlens_q, sl, b.block_table, *args) is not p1
