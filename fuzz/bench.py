@@ -3,6 +3,8 @@
 Figures (each a median of several runs where it is cheap enough):
 - examples/s per layout x mode (in-process ranks, one gloo world, the GPU when there is one;
   the campaign's own accounting);
+- efficiency per in-process cell: a raw forward's time for every forward the examples ran
+  over their whole time, and where the rest went (fuzz.bench_efficiency);
 - harness overhead: wall time per fuzz example divided by the engine work of the same Cases
   run bare (engine steps only: no reference run, no properties, no Hypothesis);
 - `pytest -n 2` speed-up over `-n 1` on the property tests (tests/fuzz/test_properties.py);
@@ -44,7 +46,9 @@ def _base(where: str):
 BENCH_FAULTS = ("pp_stale_new_token_ids", "graph_stale_max_seqlen", "intermediate_copy_unsynced")
 
 
-def _examples_per_s(layout: str, mode: str, where: str, budget: float, harness) -> tuple[dict, list]:
+def _examples_per_s(layout: str, mode: str, where: str, budget: float, harness,
+                    measure: bool = False) -> tuple[dict, list]:
+    from fuzz.bench_efficiency import Meter
     from fuzz.campaign import Campaign
 
     seen = []
@@ -60,10 +64,18 @@ def _examples_per_s(layout: str, mode: str, where: str, budget: float, harness) 
             if camp.summary.examples > n0:  # examples skipped past the deadline do not count
                 seen.append(case)
     camp._body = body
-    s = camp.run()
-    return {"layout": layout, "mode": mode, "world": where, "examples": s.examples, "seconds": round(s.seconds, 2),
+    meter = Meter().install() if measure else None
+    try:
+        s = camp.run()
+    finally:
+        if meter is not None:
+            meter.remove()
+    cell = {"layout": layout, "mode": mode, "world": where, "examples": s.examples, "seconds": round(s.seconds, 2),
             "examples_per_s": round(s.examples / s.seconds, 3) if s.seconds else None,
-            "failures": len(s.failures)}, seen
+            "failures": len(s.failures)}
+    if meter is not None and where == "inproc":  # other worlds' ranks run outside this process
+        cell.update(meter.report(_base(where), s.examples, s.seconds))
+    return cell, seen
 
 
 def _bare_seconds(cases: list, harness) -> float:
@@ -147,7 +159,7 @@ def _speed_cells(harness, cells_to_run: tuple, budget: float, progress: bool) ->
         cpu_graph.clear_templates()
         before = dict(cpu_graph.STATS)
         _examples_per_s(layout, mode, where, 1.0, harness)
-        cell, cases = _examples_per_s(layout, mode, where, budget, harness)
+        cell, cases = _examples_per_s(layout, mode, where, budget, harness, measure=True)
         if mode == "graph" and where != "cuda":
             cell["graph_capture"] = {k: round(cpu_graph.STATS[k] - before[k], 3) for k in before}
         cells.append(cell)
