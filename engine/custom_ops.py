@@ -91,12 +91,22 @@ class FACallRecord:
                     slot_mapping=self.slot_mapping,
                     require_half=self.device.startswith("cuda") and self.backend != "reference")
 
-    def contract_key(self) -> tuple:
+    def contract_key(self, contents: dict | None = None) -> tuple:
         """Equal for two records the contract cannot tell apart: every field but where the
-        call happened (so each layer's own scalars are in it), the snapshot tensors by
-        identity (a snapshot is a host copy nothing writes, shared by a forward's layers)."""
-        return tuple(id(v) if isinstance(v, torch.Tensor) else v
-                     for v in (getattr(self, name) for name in _CONTRACT_FIELDS))
+        call happened (so each layer's own scalars are in it), and the snapshot tensors by
+        content -- the TP ranks of a stage and the layers of a forward hand the kernel the
+        same metadata. A snapshot is a host copy nothing writes: `contents` memoizes each
+        one's bytes by identity across the records of a check."""
+        memo = {} if contents is None else contents
+        out = []
+        for v in (getattr(self, name) for name in _CONTRACT_FIELDS):
+            if isinstance(v, torch.Tensor):
+                hit = memo.get(id(v))
+                if hit is None or hit[0] is not v:
+                    hit = memo[id(v)] = (v, v.dtype, tuple(v.shape), v.numpy().tobytes())
+                v = hit[1:]
+            out.append(v)
+        return tuple(out)
 
 
 # Computed once: contract_key runs for every recorded attention call (hundreds an example).

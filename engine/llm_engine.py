@@ -54,8 +54,12 @@ class LLMEngine:
             from engine.dist_executor import DistExecutor
             self.executor = DistExecutor(cfg, record_fa)
         else:
-            from engine.executor import InProcExecutor
-            self.executor = InProcExecutor(cfg, record_fa)
+            from engine.inline_executor import InlineExecutor, inline_possible
+            if cfg.world_size == 1 and inline_possible():
+                self.executor = InlineExecutor(cfg, record_fa)
+            else:
+                from engine.executor import InProcExecutor
+                self.executor = InProcExecutor(cfg, record_fa)
         self.output_rank = (cfg.pp - 1) * cfg.tp  # last stage, tp rank 0
         self.reset()
 

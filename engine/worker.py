@@ -40,6 +40,11 @@ class Channel(abc.ABC):
     def run_ahead(self) -> bool:
         """The Schedule's decision: prepare the next microbatch before executing."""
 
+    def yields(self) -> bool:
+        """Whether the loop hands control back before its next `get` (a channel whose
+        `get` blocks never needs to)."""
+        return False
+
 
 class Worker:
     def __init__(self, cfg: EngineConfig, groups: RankGroups, state_dict: dict,
@@ -49,6 +54,14 @@ class Worker:
         self.runner = GPUModelRunner(cfg, groups, state_dict, FaultSet(), self.copier, record_fa)
 
     def run_loop(self, chan: Channel) -> None:
+        """A rank thread's or process's loop: `chan.get()` blocks for the next message."""
+        for _ in self.loop(chan):  # a blocking channel never asks to yield
+            pass
+
+    def loop(self, chan: Channel):
+        """The loop as a generator: it yields where the rank would hand control back to the
+        driver and wait for its next message (`chan.yields()`), so a world of one rank can
+        run it on the driver's own thread (engine/inline_executor.py)."""
         pending: deque = deque()  # prepared, not yet executed
         while True:
             if pending:
@@ -58,6 +71,8 @@ class Worker:
                     pb = pending.popleft()
                     chan.put(("step", pb.microbatch), self.runner.execute(pb))
                     continue
+            if chan.yields():
+                yield
             msg = chan.get()
             kind = msg[0]
             if kind == "step":

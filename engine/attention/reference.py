@@ -23,6 +23,7 @@ dominated by such per-call work, not by arithmetic.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -80,11 +81,11 @@ def varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         mem[:T].fill_(float("nan"))
     else:
         mem[:T].copy_(out[:T])
-    if plan is not None:
-        res = _attend(plan, q, k_cache, v_cache, softmax_scale)
+    for part in () if plan is None else (plan, *plan.rest):
+        res = _attend(part, q, k_cache, v_cache, softmax_scale)
         # Computed rows go to their place, the rest to the trash row (no boolean indexing:
         # that would sync the device and break CUDA graph capture).
-        mem.index_put_((plan.dst,), res)
+        mem.index_put_((part.dst,), res)
     if out is not None:
         out[:T].copy_(mem[:T])
     return mem[:T]
@@ -95,7 +96,8 @@ class LaunchPlan:
     """What one call launches, decided by its metadata alone. The work is a list of
     (sequence, query row) pairs: the row of q each pair reads (`q_row`), the KV slots of its
     sequence (`slots`, Lk per pair), the keys it may not see (`blocked`) and where its
-    result is written (`dst`; T, a trash row, for a pair not launched)."""
+    result is written (`dst`; T, a trash row, for a pair not launched). A host plan may come
+    in several such parts, each with its own key width (`rest`)."""
 
     R: int  # pairs
     Lk: int
@@ -103,6 +105,30 @@ class LaunchPlan:
     slots: torch.Tensor  # [R * Lk]
     blocked: torch.Tensor  # [R, 1, 1, Lk]: broadcast over kv heads and query-head groups
     dst: torch.Tensor  # [R]
+    rest: tuple = ()  # further parts (LaunchPlan) of the same launch
+
+
+# A host launch with more key work than this is split by the keys each row can see: a long
+# prefill's early rows and a batch's short sequences then do not pay for its longest row.
+SPLIT_WORK = 16384
+WIDTHS = (64, 128, 256, 512, 1024, 2048)
+
+
+def _split_by_width(plan: LaunchPlan, need: torch.Tensor) -> LaunchPlan:
+    """The same pairs, grouped by the key width they need (`need`: per pair, the last key it
+    may see + 1). A row's bits do not depend on the width (test_reference_attention)."""
+    if plan.R * plan.Lk <= SPLIT_WORK:
+        return plan
+    widths = torch.tensor([w for w in WIDTHS if w < plan.Lk] + [plan.Lk])
+    bucket = torch.bucketize(need.clamp(max=plan.Lk), widths)
+    slots, blocked = plan.slots.view(plan.R, plan.Lk), plan.blocked
+    parts = []
+    for i in bucket.unique().tolist():
+        idx = (bucket == i).nonzero().squeeze(1)
+        W = int(widths[i])
+        parts.append(LaunchPlan(idx.shape[0], W, plan.q_row[idx], slots[idx, :W].reshape(-1),
+                                blocked[idx, ..., :W], plan.dst[idx]))
+    return dataclasses.replace(parts[0], rest=tuple(parts[1:]))
 
 
 class PlanCache:
@@ -210,11 +236,14 @@ def _make_plan(cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
     blocks = torch.where(k_valid, blocks, torch.zeros_like(blocks))
     slots = (blocks * bs + (p % bs)[None, :])[b]  # [R, Lk]
     allowed = k_valid[b]  # [R, Lk]
+    need = k_lens[b]
     if causal:
         # Query row j sits at absolute position k_len - q_len + j (bottom-right aligned).
         qpos = (k_lens - q_lens)[b] + j  # [R]
         allowed = allowed & (p[None, :] <= qpos[:, None])
-    return LaunchPlan(b.shape[0], Lk, q_row, slots.reshape(-1), ~allowed[:, None, None, :], dst)
+        need = torch.minimum(need, qpos + 1)
+    plan = LaunchPlan(b.shape[0], Lk, q_row, slots.reshape(-1), ~allowed[:, None, None, :], dst)
+    return _split_by_width(plan, need) if host else plan
 
 
 def _attend(plan: LaunchPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -321,3 +321,27 @@ def test_one_plan_serves_every_call_with_the_same_metadata_content():
     sl = b.seqused_k.clone()
     sl[0] -= 1
     assert ref.plan_launch(b.cu_seqlens_q, sl, b.block_table, *args) is not p1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_long_launch_split_by_key_width_gives_the_same_bits(dtype):
+    """A host launch with much key work runs in parts by the keys each row can see (a long
+    prefill's early rows, short sequences beside a long one); the bits are those of one part."""
+    from engine.attention.reference import _attend, _make_plan, plan_launch
+
+    b = make_batch([(200, 300), (1, 40), (1, 299), (30, 120), (64, 64)], seed=5)
+    q, kc, vc = b.q.to(dtype), b.k_cache.to(dtype), b.v_cache.to(dtype)
+    args = (b.cu_seqlens_q, b.seqused_k, b.block_table, max(b.q_lens), max(b.k_lens), b.q.shape[0],
+            b.k_cache.shape[1], True, 64, 512)
+    host = plan_launch(*args)
+    assert host.rest, "the launch was not split"
+    assert sum(p.R for p in (host, *host.rest)) == sum(b.q_lens)
+    assert max(p.Lk for p in (host, *host.rest)) > min(p.Lk for p in (host, *host.rest))
+    whole = _make_plan(*args)  # the GPU's plan: one part, every pair at the full width
+    T = b.q.shape[0]
+    want = torch.full((T + 1, *q.shape[1:]), float("nan"), dtype=dtype)
+    want.index_put_((whole.dst,), _attend(whole, q, kc, vc, b.scale))
+    got = varlen_attention(q, kc, vc, b.cu_seqlens_q, max(b.q_lens), b.seqused_k, max(b.k_lens),
+                           b.block_table, b.scale, tile_q=64, key_len_pad=512)
+    assert torch.equal(got, want[:T])
+    assert_rows_match_naive(b, got.float()) if dtype == torch.float32 else None
