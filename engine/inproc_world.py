@@ -52,6 +52,8 @@ class InProcWorld:
         self.yielded = threading.Event()
         self.stopping = False
         self.broken: RankFailure | None = None
+        self._pred: Callable[[], bool] | None = None  # what the driver waits for (run_until)
+        self.handoffs = 0  # baton hand-offs so far: progress, for the hang check
         self.sched = ScheduleDriver(Schedule())
         self.copiers: list = [None] * world_size  # per-rank AsyncCopier, landed at decision points
         # Shared state of the groups (touched only by the one running thread).
@@ -85,39 +87,70 @@ class InProcWorld:
         r.thread.start()
 
     def wait_for(self, rank: int, cond: Callable[[], bool], desc: str) -> None:
-        """Block this rank until cond() holds, handing the baton to the driver."""
+        """Block this rank until cond() holds. The rank makes the driver's next decision
+        itself (`_decide`) and hands the baton straight to the rank it picks: one thread
+        switch instead of two (rank -> driver -> rank), the same decisions in the same order."""
         if cond() and self.sched.s.rank_order == "natural":
             return
         r = self.ranks[rank]
         r.cond, r.desc, r.state = cond, desc, "blocked"
-        self.yielded.set()
-        r.go.wait()
-        r.go.clear()
+        nxt = self._decide()
+        self.handoffs += 1
+        if nxt is r:
+            r.state = "running"
+        else:
+            if nxt is None:
+                self.yielded.set()  # the driver's wait is over, or it must see the deadlock
+            else:
+                nxt.state = "running"
+                nxt.go.set()
+            r.go.wait()
+            r.go.clear()
         if self.stopping:
             raise _Shutdown()
+
+    def _decide(self) -> "_Rank | None":
+        """One iteration of `run_until`'s loop, on whichever thread holds the baton: None when
+        the driver's condition holds or no rank can move, else the rank to run next."""
+        if self._pred is None or self._pred():
+            return None
+        self._land_copies()
+        runnable = [r.rank for r in self.ranks if r.state == "ready" or (r.state == "blocked" and r.cond())]
+        return self.ranks[self.sched.pick(runnable)] if runnable else None
 
     # -- driver side -------------------------------------------------------------------------
     def run_until(self, pred: Callable[[], bool], what: str) -> None:
         if self.broken is not None:
             raise self.broken
-        while not pred():
-            self._land_copies()
-            runnable = [r.rank for r in self.ranks
-                        if r.state == "ready" or (r.state == "blocked" and r.cond())]
-            if not runnable:
-                stuck = [r for r in self.ranks if r.state == "blocked"]
-                self._fail(RankFailure("deadlock", [r.rank for r in stuck],
-                                       f"waiting for {what}; " + "; ".join(f"rank {r.rank}: {r.desc}" for r in stuck)))
-            r = self.ranks[self.sched.pick(runnable)]
-            r.state = "running"
-            self.yielded.clear()
-            r.go.set()
-            if not self.yielded.wait(self.timeout_s):
-                self._fail(RankFailure("timeout", [r.rank],
-                                       f"no progress for {self.timeout_s:.0f}s while {what}"))
-            if r.state == "error":
-                exc = r.exc
-                self._fail(RankFailure("exception", [r.rank], f"{type(exc).__name__}: {exc}"), exc)
+        self._pred = pred
+        try:
+            while not pred():
+                r = self._decide()
+                if r is None:
+                    stuck = [r for r in self.ranks if r.state == "blocked"]
+                    self._fail(RankFailure("deadlock", [r.rank for r in stuck], f"waiting for {what}; "
+                                           + "; ".join(f"rank {r.rank}: {r.desc}" for r in stuck)))
+                r.state = "running"
+                self.yielded.clear()
+                r.go.set()
+                self._await(what)
+        finally:
+            self._pred = None
+
+    def _await(self, what: str) -> None:
+        """Until a rank hands the baton back to the driver. Ranks hand it to each other in
+        between; only a stretch of `timeout_s` without any hand-off is a hang (of the rank
+        running then)."""
+        seen = self.handoffs
+        while not self.yielded.wait(self.timeout_s):
+            if self.handoffs == seen:
+                running = [r.rank for r in self.ranks if r.state == "running"]
+                self._fail(RankFailure("timeout", running, f"no progress for {self.timeout_s:.0f}s while {what}"))
+            seen = self.handoffs
+        failed = [r for r in self.ranks if r.state == "error"]
+        if failed:
+            exc = failed[0].exc
+            self._fail(RankFailure("exception", [failed[0].rank], f"{type(exc).__name__}: {exc}"), exc)
 
     def _land_copies(self) -> None:
         for c in self.copiers:
