@@ -93,8 +93,11 @@ class InlineExecutor(ExecutorMessages):
         """Run the rank up to its next wait, under the step timeout."""
         def expired(signum, frame):
             raise _Timeout()
-        old = signal.signal(signal.SIGALRM, expired)
-        signal.setitimer(signal.ITIMER_REAL, self.cfg.step_timeout_s)
+        # An engine built on the main thread and driven from another has no watchdog there.
+        armed = threading.current_thread() is threading.main_thread()
+        if armed:
+            old = signal.signal(signal.SIGALRM, expired)
+            signal.setitimer(signal.ITIMER_REAL, self.cfg.step_timeout_s)
         try:
             next(self.gen)
         except StopIteration:
@@ -109,8 +112,9 @@ class InlineExecutor(ExecutorMessages):
             self.ended = True
             raise
         finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, old)
+            if armed:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, old)
 
     def _fail(self, err: RankFailure, cause: BaseException | None = None) -> None:
         self.broken = err
