@@ -13,6 +13,10 @@ failure the budget cut short (fuzz.shrink_phase.ShrinkPhase, `shrink_budget_s`).
 and `_rewrite` are the writers of reproducers: the first failure of a chunk is on disk the
 moment it is seen, so nothing is lost if the campaign is killed mid-shrink, and each smaller
 version replaces the one before.
+
+A chunk's seed is a function of (campaign seed, cell, the chunk's index on that cell) only
+(`chunk_seed`), so a cell draws the same Cases alone in a worker of `llmfuzz run --jobs N`
+(fuzz.jobs; `share`: its part of the campaign) as among all cells in one process.
 """
 from __future__ import annotations
 
@@ -34,6 +38,13 @@ from fuzz.stop import check_stop, clear_stop, request_stop, stop_requested  # no
 from fuzz.strategies import FUZZ_MODEL
 from fuzz.target import (Cell, CellDatabase, CellStats, Failure, HarnessTarget, Summary,  # noqa: F401 (re-exported)
                          Target, Unsupported)
+
+
+def chunk_seed(seed: int, cell: str, k: int) -> int:
+    """The Hypothesis seed of chunk `k` on `cell`. Not Python's hash() (salted per process):
+    every worker of a campaign, and every run with this seed, must agree on it."""
+    digest = hashlib.sha256(f"{seed}\0{cell}\0{k}".encode()).digest()
+    return int.from_bytes(digest[:8], "big")
 
 
 def _kind(v: Violation) -> tuple:
@@ -63,7 +74,8 @@ class Campaign(SequentialVisits):
                  shrink_grace_s: float | None = None, isolate: str = "auto",
                  oracles: frozenset[str] = frozenset(), fault_scope: str = "test",
                  target: Target | None = None, shrink_s: float | None = None, min_cell_s: float = 60.0,
-                 shrink_budget_s: float | None = None, keep_stop: bool = False, poison: str | None = None) -> None:
+                 shrink_budget_s: float | None = None, keep_stop: bool = False, poison: str | None = None,
+                 share=None) -> None:
         self.fault_scope = fault_scope  # "everywhere": the faults are in every run (selftest --everywhere)
         self.poison = poison  # every Case's reset poison (engine/poison.py); None: drawn, alternating
         self.keep_stop = keep_stop  # a stop set before `run` stops it too (selftest: one stop for all faults)
@@ -76,18 +88,22 @@ class Campaign(SequentialVisits):
                                               pool_capacity_for(len(layouts), len(modes)), oracles)
             target = HarnessTarget(harness, layouts, modes, faults, base, max_requests)
         self.target, self.cells, self.harness = target, target.cells(), getattr(target, "harness", None)
+        # A worker's part of a `run --jobs` campaign (fuzz.jobs_worker.Share): chunk sizes and
+        # the first round are the whole campaign's, so its cells draw what they would in one process.
+        self.share = share
+        self.cells_total = share.cells_total if share is not None else len(self.cells)
         # Short budgets take short chunks, so the round robin reaches every cell.
-        chunk = max(2, min(chunk, int(budget_s / (4 * max(1, len(self.cells))))))
+        chunk = max(2, min(chunk, int(budget_s / (4 * max(1, self.cells_total)))))
         self.seed, self.out_dir, self.budget_s, self.chunk = seed, out_dir, budget_s, chunk
         self.stop_on_failure, self.progress = stop_on_failure, progress
         self.shrink_s, self.min_cell_s = shrink_s, min_cell_s  # per failure; a sequential cell's least
         self.summary = Summary(planned=[c.name for c in self.cells], budget_s=budget_s, seed=seed, target=target)
         self._last_print = 0.0
-        # Cases that passed, by their JSON. Each chunk's Hypothesis run starts from the
-        # simplest Case again and mutates earlier draws, so a short campaign draws many Cases
-        # twice; a Case's verdict is deterministic, so a passed one is not run again. Failing
-        # Cases are never skipped: Hypothesis's shrinker must see them fail.
-        self._passed: set[bytes] = set()
+        # Cases that passed, by their JSON, with their error ratio. Each chunk's Hypothesis run
+        # starts from the simplest Case again and mutates earlier draws, so a short campaign
+        # draws many Cases twice; a Case's verdict is deterministic, so a passed one is not run
+        # again. Failing Cases are never skipped: Hypothesis's shrinker must see them fail.
+        self._passed: dict[bytes, float] = {}
         # The shrink phase after the budget (`shrink_grace_s`: its name before it was a phase).
         shrink_budget_s = shrink_budget_s if shrink_budget_s is not None else shrink_grace_s
         self.shrink_budget_s = shrink_budget_s if shrink_budget_s is not None else max(60.0, budget_s / 4)
@@ -99,7 +115,8 @@ class Campaign(SequentialVisits):
         # The failure `_find` is after: the last (smallest) version Hypothesis has shown us,
         # and the file an unfinished failure is on disk as until `_finish` replaces it.
         self._best: Violation | None = None
-        self.recorder = Recorder(out_dir, target, self.summary, progress)
+        self.recorder = Recorder(out_dir, target, self.summary, progress,
+                                 claims=share.claims if share is not None else None)
         self._found: dict[tuple, tuple[float, int]] = {}  # per failure kind in the chunk: (seconds, examples before)
         self._cell, self._row = None, None  # the cell being fuzzed (Cell), and its summary row
 
@@ -124,14 +141,18 @@ class Campaign(SequentialVisits):
         key = hashlib.sha1(case.key().encode()).digest()  # 20 bytes a Case: flat over long runs
         if key in self._passed:
             self.summary.duplicates += 1
+            # The same observation as a run would give: what Hypothesis draws next must not
+            # depend on which earlier chunks this process ran (a worker runs only some).
+            target(self._passed[key], label="error/tolerance")
             return
         t0 = time.perf_counter()
         cell = self.summary.cells.setdefault(self.target.stats_key(case), CellStats())
         try:
             v = self.target.check(case)
-            target(min(v.logits.ratio, 1e6), label="error/tolerance")
+            ratio = min(v.logits.ratio, 1e6)
+            target(ratio, label="error/tolerance")
             self.target.record(cell, v)
-            self._passed.add(key)
+            self._passed[key] = ratio
         except Violation as v:
             self._seen(v)
             raise
@@ -153,6 +174,8 @@ class Campaign(SequentialVisits):
             self._persist(v, final=False)
 
     def _persist(self, v: Violation, *, final: bool, minimal: bool = False) -> str | None:
+        """Write `v`; None when it could not be (its Case went to stderr). Another worker's
+        reproducer of the same Case and property is left as it is (`recorder.elsewhere`)."""
         found = self._found.get(_kind(v)) or (time.monotonic() - self._t0, self.summary.examples)
         return self.recorder.persist(v, final=final, found=found, minimal=minimal)
 
@@ -160,10 +183,10 @@ class Campaign(SequentialVisits):
         return self.target.triage(v, [f for f in self.summary.failures if f.cell == self._cell.name])
 
     def _hypothesis_test(self, cell: Cell, i: int, examples: int | None = None):
-        """Chunk `i` on `cell` as a Hypothesis test of `examples` examples (default: a chunk).
-        Nightly (`use_database` and a database in the profile): random, and the example
-        database replays the cell's saved failures first. Otherwise a seed per chunk (which
-        turns the database off): reproducible."""
+        """Chunk `i` (its index on `cell`) as a Hypothesis test of `examples` examples (default:
+        a chunk). Nightly (`use_database` and a database in the profile): random, and the
+        example database replays the cell's saved failures first. Otherwise a seed per chunk
+        (which turns the database off): reproducible, whichever process runs the chunk."""
         # Hypothesis runs the simplest Case first in every run (one short request, tp-only
         # options off): one extra example per chunk keeps `chunk` drawn ones. After the first
         # rotation the simplest Case is a skipped duplicate.
@@ -179,7 +202,7 @@ class Campaign(SequentialVisits):
         def body(case):
             return self._body(case)
         test = s(given(cell.strategy)(body))
-        return test if nightly else hseed(self.seed * 100003 + i)(test)
+        return test if nightly else hseed(chunk_seed(self.seed, cell.name, i))(test)
 
     def _find(self, cell: Cell, i: int, end: float, examples: int | None = None) -> tuple[list[Violation], bool]:
         """Run chunk `i` on `cell` until `end`: the failures found, as small as Hypothesis got
@@ -214,7 +237,9 @@ class Campaign(SequentialVisits):
     def _print_progress(self, force: bool = False) -> None:
         now = time.monotonic()
         tty = sys.stderr.isatty()
-        if not self.progress or (not force and now - self._last_print < (1.0 if tty else 15.0)):
+        # A worker's lines go to the parent, which sums them into its own progress line.
+        every = 2.0 if self.share is not None else 1.0 if tty else 15.0
+        if not self.progress or (not force and now - self._last_print < every):
             return
         self._last_print = now
         s, el = self.summary, now - self._t0
@@ -243,10 +268,16 @@ class Campaign(SequentialVisits):
             r = shrink_one(v, self.target, deadline, self.target.max_shrink_checks, check_stop)
         v, case = r.violation, r.violation.case
         path = self._persist(v, final=True, minimal=r.minimal)
+        if path is not None and self.recorder.elsewhere:
+            # Another worker found and wrote this very reproducer first: a repeat, not a second file.
+            self.summary.repeats += 1
+            if self.progress:
+                sys.stderr.write(f"\nREPEAT {v.property}: {case.describe()}\n  -> {path} (written by another worker)\n")
+            return r.stopped
         if path is None or not any(f.path == path for f in self.summary.failures):
             f = Failure(v.property, v.message, case.describe(), path, v.error_ratio, v.oracle, v.second_opinion,
                         self._cell.name, {"signature": getattr(v, "signature", None), "shrink_checks": r.checks,
-                                          "row": self.target.stats_key(case)[0]},
+                                          "row": self.target.stats_key(case)[0], "counted_in": list(row)},
                         seconds_to_find=round(found_s, 2), examples_before=before, size=case_size(case),
                         minimal=r.minimal, shrink_seconds=round(time.monotonic() - t0, 2))
             self.summary.failures.append(f)
@@ -278,19 +309,31 @@ class Campaign(SequentialVisits):
         if stopped:
             self.summary.interrupted = True
             return True
-        return self.stop_on_failure and bool(self.summary.failures)
+        if self.stop_on_failure and self.summary.failures:
+            if self.share is not None:
+                self.share.end_all()  # the other workers end at their next chunk
+            return True
+        return False
 
     def _run_round_robin(self) -> None:
+        # A worker that shares its cell with others runs every `streams`-th chunk of it, from
+        # `stream` on: together they run the chunks one process would, each chunk once.
+        stream, streams = (self.share.stream, self.share.streams) if self.share is not None else (0, 1)
+        k = [stream] * len(self.cells)  # each cell's next chunk index
         i = 0
         while time.monotonic() < self._deadline:
             check_stop()
+            if self.share is not None and self.share.ended():
+                return
             # One cell per chunk, round robin. The first round gives each cell one example (its
             # simplest Case, engines built): on a short budget every layout is visited before any
             # gets a second. A layout's summary rows are per mode (stats_key), and a round-robin
             # target never ends, skips or repeats a cell: its own row is a scratch one.
-            first_round = i < len(self.cells) and len(self.cells) > 1
-            if self._visit(self.cells[i % len(self.cells)], CellStats(), i, self._deadline, 1 if first_round else None):
+            c = i % len(self.cells)
+            first_round = k[c] == 0 and self.cells_total > 1
+            if self._visit(self.cells[c], CellStats(), k[c], self._deadline, 1 if first_round else None):
                 return
+            k[c] += streams
             i += 1
 
     def _shrink_phase(self) -> None:

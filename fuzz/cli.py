@@ -30,8 +30,13 @@ VLLM_ONLY = ("configs", "cells", "exclude", "known")
 
 
 def cmd_run(args) -> int:
+    from fuzz.jobs import parse_jobs
+    from fuzz.jobs_worker import worker_args
+
+    args, share = worker_args(args)  # a worker of `run --jobs N`: its part of the campaign (else None)
     if args.target not in TARGETS:
         raise BadInput(f"--target: unknown target {args.target!r} (known: {', '.join(TARGETS)})")
+    jobs = parse_jobs(args)  # None: the default, once the cells are known
     if args.target == "vllm":  # fuzz/targets/vllm_cli.py; docs/vllm.md
         if args.fault:
             raise BadInput("--fault: registry faults exist in the reference engine only, not with --target vllm")
@@ -44,6 +49,7 @@ def cmd_run(args) -> int:
     from engine.faults import FAULTS
     from fuzz.campaign import Campaign
     from fuzz.findings import run_json, run_text
+    from fuzz.jobs import default_jobs, run_jobs
     from fuzz.strategies import CAMPAIGN_ORDER, IMPLEMENTED_MODES
 
     bases = _base_configs(args)  # one per attention kernel: cells of the campaign (fuzz/kernel_cells.py)
@@ -60,8 +66,12 @@ def cmd_run(args) -> int:
         raise BadInput(f"--budget: {args.budget} is not a positive number of seconds")
     profile = _load_profile(args.profile)
     oracles = _oracles(args)
+    poison, _ = _poison(args), _shrink_budget(args)  # bad input is found before any worker starts
+    jobs = jobs or default_jobs(base.device, len(layouts))
+    if jobs > 1:  # fuzz/jobs.py
+        return run_jobs(args, jobs, layouts, bases, modes)
     target = _kernel_cells(bases, layouts, modes, args, oracles)
-    camp = Campaign(target=target, oracles=oracles, isolate=args.isolate, poison=_poison(args),
+    camp = Campaign(target=target, oracles=oracles, isolate=args.isolate, poison=poison, share=share,
                     use_database=profile in ("nightly", "repro"), layouts=layouts, modes=modes,
                     faults=tuple(args.fault), seed=args.seed,
                     out_dir=args.out or "reproducers", budget_s=args.budget, shrink_budget_s=_shrink_budget(args),
@@ -72,6 +82,8 @@ def cmd_run(args) -> int:
     finally:
         if target is not None:
             target.close()
+    if share is not None:
+        share.report(summary, camp.shrink_report)  # for the parent to merge
     if args.json:
         print(json.dumps(run_json(summary, camp.shrink_report), indent=1))
     else:
@@ -221,6 +233,9 @@ def _add_run_parser(sub, parents: list[argparse.ArgumentParser]) -> None:
     r.add_argument("--profile", default=None, help="Hypothesis profile: dev, ci, nightly, repro")
     r.add_argument("--json", action="store_true", help="print the summary as JSON")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
+    r.add_argument("--jobs", default=None, help="worker processes, each fuzzing its share of the layouts "
+                   "(default: the cores available, on CUDA the GPUs, at most one per layout; 1: in this process)")
+    r.add_argument("--worker-plan", default=None, help=argparse.SUPPRESS)  # a --jobs worker (fuzz/jobs_worker.py)
     r.add_argument("--target", default="reference",
                    help="engine to fuzz: reference (default: our engine, white-box) or vllm (a real vLLM, docs/vllm.md)")
     from fuzz.targets.vllm_cli import add_vllm_run_options

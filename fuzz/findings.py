@@ -71,6 +71,14 @@ def run_text(summary, shrink_report: dict | None) -> str:
         by = f" (against {f.oracle})" if f.oracle else ""
         out.append(f"\nFAILED {f.property}{by}: {f.message}\n  case: {f.case_desc}\n"
                    f"  Reproduce with: llmfuzz replay {f.path}")
+    if summary.jobs > 1:
+        out.append(f"\n{summary.jobs} worker processes" + (f"; {summary.repeats} failure(s) found again by "
+                   "another worker, written once" if summary.repeats else ""))
+        for w in summary.workers:
+            if w.get("status") != "ok":
+                files = f"; its reproducers: {', '.join(w['reproducers'])}" if w.get("reproducers") else ""
+                out.append(f"WORKER {w['worker']} ({','.join(w['layouts'])}) {w['status']}: "
+                           f"{w.get('error', '')}{files}")
     if summary.interrupted:
         out.append("(interrupted: summary so far)")
     return "\n".join(out)

@@ -79,6 +79,12 @@ class Summary:
     budget_s: float = 0.0
     seed: int = 0
     target: Any = field(default=None, repr=False)  # renders it where it has its own form (vLLM's)
+    # `run --jobs N` (fuzz.jobs): the worker processes, and failures a worker found whose
+    # reproducer another had already written (counted, not written twice). Per worker: its
+    # cells, examples, exit and, for one that crashed, its error and the files it left.
+    jobs: int = 1
+    repeats: int = 0
+    workers: list = field(default_factory=list)
 
     def to_json(self) -> dict:
         own = self.target.summary_json(self) if self.target is not None else None
@@ -94,7 +100,8 @@ class Summary:
                                              "examples_per_s": round(c.examples / c.seconds, 2) if c.seconds else None}
                          for k, c in sorted(self.cells.items())},
             "interrupted": self.interrupted, "write_errors": self.write_errors,
-            "duplicates_skipped": self.duplicates,
+            "duplicates_skipped": self.duplicates, "jobs": self.jobs, "repeats": self.repeats,
+            **({"workers": self.workers} if self.workers else {}),
         }
 
     def table(self) -> str:

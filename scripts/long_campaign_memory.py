@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     work = tempfile.mkdtemp(prefix="llmfuzz-long-")
-    cmd = [sys.executable, "-m", "fuzz.cli", "run", "--budget", f"{args.budget:g}", "--seed", str(args.seed),
+    cmd = [sys.executable, "-m", "fuzz.cli", "run", "--jobs", "1", "--budget", f"{args.budget:g}", "--seed", str(args.seed),
            "--out", os.path.join(work, "repro"), *args.extra]
     shown = "llmfuzz run " + " ".join(cmd[4:])
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
