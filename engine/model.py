@@ -138,9 +138,12 @@ class LlamaLayer:
         x = self._gather_seq(rms_norm(residual, self.ln1, eps))
         T = x.shape[0]
         nq, nkv = self.num_heads * D, self.num_kv_heads * D
-        q, k, v = linear(x, self.wqkv).split([nq, nkv, nkv], dim=-1)
-        q, k, v = q.view(T, self.num_heads, D), k.view(T, self.num_kv_heads, D), v.reshape(T, self.num_kv_heads, D)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        qkv = linear(x, self.wqkv)
+        # q and k heads rotate as one tensor: RoPE is elementwise per head, so the bits are
+        # those of two calls, for half the small ops of a tiny model's layer.
+        qk = apply_rope(qkv[:, :nq + nkv].view(T, self.num_heads + self.num_kv_heads, D), cos, sin)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, nq + nkv:].reshape(T, self.num_kv_heads, D)
         o = attn(self.idx, q, k, v)
         hidden = self._row_parallel(o.reshape(T, self.num_heads * D), self.wo)
         residual = hidden + residual

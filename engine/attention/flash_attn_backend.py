@@ -92,6 +92,7 @@ def fa4_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu
     """flash-attn-4 on the paged cache: [num_blocks, block_size, Hkv, D] with page_table."""
     import flash_attn.cute as fa4
 
+    q = q.contiguous()  # the engine's q is a view of the fused q/k rotation (engine/model.py)
     B = cu_seqlens_q.shape[0] - 1
     D = q.shape[-1]
     pad = -D % FA4_HDIM_MULTIPLE
@@ -130,6 +131,7 @@ def fa2_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu
     seqused_k); paged natively when the block size is a multiple of 256."""
     import flash_attn as fa2
 
+    q = q.contiguous()  # see fa4_varlen
     B = cu_seqlens_q.shape[0] - 1
     cu_k = torch.nn.functional.pad(seqused_k[:B].int().cumsum(0, dtype=torch.int32), (1, 0))
     kw = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal)
