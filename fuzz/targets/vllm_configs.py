@@ -9,12 +9,11 @@ scheduling. Every knob shrinks open: the first layout and mode given (tp1pp1, ea
 128, 8 sequences, block 32, no speculation, no prefix caching, no async scheduling. Each knob
 is left at its default with probability 1/2, so a draw turns on a few things at once.
 
-An engine start costs ~40-100 s on the 2-core machine, so a campaign cannot draw a config per
-example. `plan_configs(n, seed, ...)` draws configs from the strategy with a fixed seed and
-picks n of them: the simplest (plain tp1pp1 eager) first, then one per layout x mode (so tp1,
-tp2 and pp2 are each seen eager and compiled), then further draws round robin over the
-layout x mode groups; ordered simplest first (fewest knobs away from the defaults). The campaign then keeps one engine per config and
-draws workloads within it.
+An engine start costs 4-90 s on the 2-core machine, so a campaign cannot draw a config per
+example. `plan_configs(n, seed, ...)` takes the first n configs of the covering plan
+(fuzz.targets.vllm_covering: every pair of dimension values within the first few configs,
+cheapest first, then triples), `row_config` turning a plan row into (EngineConfig,
+VLLMOptions). The campaign then keeps one engine per config and draws workloads within it.
 
 Combinations vLLM rejects at start-up by design are not drawn: async scheduling with n-gram
 speculation (vLLM 0.32: "async scheduling is only supported with EAGLE/MTP/Draft Model/NGram
@@ -47,18 +46,24 @@ VLLM_MODEL = EngineConfig(
 
 @dataclass(frozen=True, slots=True)
 class VLLMOptions:
-    """vLLM switches that have no EngineConfig field (stored in reproducers' meta)."""
+    """vLLM switches that have no EngineConfig field (stored in reproducers' meta).
+    `kv_blocks`: 0 lets vLLM size the KV cache (1 GiB: thousands of blocks); N > 0 caps it
+    at N blocks (`num_gpu_blocks_override`), so a batch no longer fits and vLLM preempts."""
 
     enable_prefix_caching: bool = False
     async_scheduling: bool = False
+    kv_blocks: int = 0
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if not d["kv_blocks"]:  # reproducers written before the field stay byte-identical
+            del d["kv_blocks"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "VLLMOptions":
         d = dict(d or {})
-        unknown = sorted(set(d) - {"enable_prefix_caching", "async_scheduling"})
+        unknown = sorted(set(d) - {"enable_prefix_caching", "async_scheduling", "kv_blocks"})
         if unknown:
             raise ValueError(f"vllm_options: unknown field {unknown[0]!r}")
         return cls(**d)
@@ -73,7 +78,7 @@ class VLLMOptions:
         return replace(case, target="vllm", target_options=self.to_dict())
 
     def describe(self) -> str:
-        on = [k for k, v in self.to_dict().items() if v]
+        on = [k for k, v in self.to_dict().items() if v is True]
         return ",".join(on)
 
 
@@ -81,8 +86,8 @@ COMPILED = dict(cudagraph_mode="FULL", capture_sizes=(1, 2, 4, 8))  # "compiled"
 
 
 def cell_name(cfg: EngineConfig, opts: VLLMOptions = VLLMOptions()) -> str:
-    """'tp1pp2-eager', 'tp1pp1-compiled-b16-s2-blk64-ngram2+enable_prefix_caching' (the parts
-    that differ from VLLM_MODEL; `parse_cell_name` inverts it)."""
+    """'tp1pp2-eager', 'tp1pp1-compiled-b16-s2-blk64-ngram2-bf16-len256-kv5+enable_prefix_caching'
+    (the parts that differ from VLLM_MODEL; `parse_cell_name` inverts it)."""
     name = f"{cfg.layout}-{'eager' if cfg.cudagraph_mode == 'NONE' else 'compiled'}"
     if cfg.max_num_batched_tokens != VLLM_MODEL.max_num_batched_tokens:
         name += f"-b{cfg.max_num_batched_tokens}"
@@ -92,13 +97,21 @@ def cell_name(cfg: EngineConfig, opts: VLLMOptions = VLLMOptions()) -> str:
         name += f"-blk{cfg.block_size}"
     if cfg.speculative_method != "none":
         name += f"-{cfg.speculative_method}{cfg.num_speculative_tokens}"
+    if cfg.dtype != VLLM_MODEL.dtype:
+        name += f"-{_DTYPE_SHORT[cfg.dtype]}"
+    if cfg.max_model_len != VLLM_MODEL.max_model_len:
+        name += f"-len{cfg.max_model_len}"
+    if opts.kv_blocks:
+        name += f"-kv{opts.kv_blocks}"
     if opts.describe():
         name += "+" + opts.describe().replace(",", "+")
     return name
 
 
+_DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 _CELL = re.compile(r"^(?P<layout>tp\d+pp\d+)-(?P<mode>eager|compiled)(?:-b(?P<b>\d+))?(?:-s(?P<s>\d+))?"
-                   r"(?:-blk(?P<blk>\d+))?(?:-ngram(?P<k>\d+))?(?P<opts>(?:\+\w+)*)$")
+                   r"(?:-blk(?P<blk>\d+))?(?:-ngram(?P<k>\d+))?(?:-(?P<dt>bf16|fp16|fp32))?(?:-len(?P<len>\d+))?"
+                   r"(?:-kv(?P<kv>\d+))?(?P<opts>(?:\+\w+)*)$")
 
 
 def parse_cell_name(name: str, base: EngineConfig = VLLM_MODEL) -> tuple[EngineConfig, VLLMOptions]:
@@ -109,25 +122,35 @@ def parse_cell_name(name: str, base: EngineConfig = VLLM_MODEL) -> tuple[EngineC
     m = _CELL.match(name.strip())
     if not m:
         raise ValueError(f"{name!r} is not a vLLM config name like tp1pp2-eager or "
-                         f"tp1pp1-compiled-b16-s2-blk64-ngram2+enable_prefix_caching")
+                         f"tp1pp1-compiled-b16-s2-blk64-ngram2-bf16-len256-kv5+enable_prefix_caching")
     ch: dict = {"layout": m["layout"]}
     if m["mode"] == "compiled":
         ch.update(COMPILED)
-    for key, field_ in (("b", "max_num_batched_tokens"), ("s", "max_num_seqs"), ("blk", "block_size")):
+    for key, field_ in (("b", "max_num_batched_tokens"), ("s", "max_num_seqs"), ("blk", "block_size"),
+                        ("len", "max_model_len")):
         if m[key]:
             ch[field_] = int(m[key])
     if m["k"]:
         ch.update(speculative_method="ngram", num_speculative_tokens=int(m["k"]))
+    if m["dt"]:
+        ch["dtype"] = {v: k for k, v in _DTYPE_SHORT.items()}[m["dt"]]
     flags = [f for f in m["opts"].split("+") if f]
     try:
-        opts = VLLMOptions(**{f: True for f in flags})
+        opts = VLLMOptions(**{f: True for f in flags}, kv_blocks=int(m["kv"] or 0))
     except TypeError:
         raise ValueError(f"{name!r}: unknown option in {'+'.join(flags)!r} (known: enable_prefix_caching, "
                          f"async_scheduling)") from None
     try:
-        return base.replace(**ch), opts
+        return _fit(base.replace(**ch)), opts
     except ConfigError as e:
         raise ValueError(f"{name!r}: {e}") from None
+
+
+def _fit(cfg: EngineConfig) -> EngineConfig:
+    """Our reference engine's KV pool grown to hold max_model_len (its own check), so a
+    longer max_model_len is a valid EngineConfig; vLLM's KV size is VLLMOptions.kv_blocks."""
+    need = -(-cfg.max_model_len // cfg.block_size) + 1
+    return cfg if cfg.num_gpu_blocks >= need else cfg.replace(num_gpu_blocks=need)
 
 
 VLLM_LAYOUTS = ("tp1pp1", "tp2pp1", "tp1pp2")  # 2 query heads, 2 layers, 2 cores: tp, pp <= 2
@@ -189,37 +212,58 @@ def draw_configs(count: int, seed: int, layouts=VLLM_LAYOUTS, modes=VLLM_MODES,
     return out
 
 
+def row_config(row: dict, base: EngineConfig = VLLM_MODEL) -> tuple[EngineConfig, VLLMOptions]:
+    """A covering-array row (fuzz.targets.vllm_covering.DIMENSIONS) as (EngineConfig, VLLMOptions).
+    A "small" KV cache holds one longest request and one block more: a mixed batch of up to
+    8 requests does not fit, so vLLM must preempt (and recompute) requests."""
+    ch = dict(layout=row["layout"], max_num_batched_tokens=row["budget"], block_size=row["block"],
+              dtype=row["dtype"], max_model_len=row["max_len"])
+    if row["mode"] == "compiled":
+        ch.update(COMPILED)
+    if row["spec"]:
+        ch.update(speculative_method="ngram", num_speculative_tokens=row["spec"])
+    kv = -(-row["max_len"] // row["block"]) + 1 if row["kv"] == "small" else 0
+    return _fit(base.replace(**ch)), VLLMOptions(enable_prefix_caching=row["prefix"],
+                                                 async_scheduling=row["async"], kv_blocks=kv)
+
+
+def plan_dimensions(layouts=VLLM_LAYOUTS, modes=VLLM_MODES) -> dict:
+    """The covering array's dimensions, with layout and mode restricted to those given."""
+    from fuzz.targets.vllm_covering import DIMENSIONS
+
+    return {**DIMENSIONS, "layout": tuple(layouts), "mode": tuple(modes)}
+
+
+def plan_rows(seed: int = 0, layouts=VLLM_LAYOUTS, modes=VLLM_MODES, exclude: tuple[str, ...] = (),
+              base: EngineConfig = VLLM_MODEL) -> tuple[list[dict], int]:
+    """The covering plan's rows (fuzz.targets.vllm_covering.covering_plan) minus the excluded
+    names, and how many of the first rows cover every pair."""
+    from fuzz.targets.vllm_covering import covering_plan
+
+    rows, k = covering_plan(plan_dimensions(layouts, modes), seed)
+    exclude = tuple(exclude)
+    if not exclude:
+        return rows, k
+    keep = [i for i, r in enumerate(rows) if not cell_name(*row_config(r, base)).startswith(exclude)]
+    return [rows[i] for i in keep], sum(1 for i in keep if i < k)
+
+
 def plan_configs(n: int, seed: int = 0, layouts=VLLM_LAYOUTS, modes=VLLM_MODES,
                  base: EngineConfig = VLLM_MODEL, exclude: tuple[str, ...] = ()) -> list[tuple[EngineConfig, VLLMOptions]]:
-    """n distinct configs for a campaign, simplest first (module docstring), none whose name
-    starts with one of the `exclude` prefixes."""
+    """The first n configs of the covering plan (every pair of dimension values within the
+    first k, cheapest first; then triples), none whose name starts with an `exclude` prefix."""
     if n < 1:
         return []
-    exclude = tuple(exclude)
+    rows, _ = plan_rows(seed, layouts, modes, exclude, base)
+    return [row_config(r, base) for r in rows[:n]]
 
-    def ok(c) -> bool:
-        return not (exclude and cell_name(*c).startswith(exclude))
 
-    simplest = (base.replace(layout=layouts[0], **(COMPILED if modes[0] == "compiled" else {})), VLLMOptions())
-    chosen = {cell_name(*simplest): simplest} if ok(simplest) else {}
-    pool = [c for c in draw_configs(max(8 * n, 64), seed, layouts, modes, base) if ok(c)]
-
-    def add(c) -> None:
-        if len(chosen) < n:
-            chosen.setdefault(cell_name(*c), c)
-
-    def group(c) -> tuple:
-        return c[0].layout, c[0].cudagraph_mode != "NONE"
-
-    groups = [(layout, mode == "compiled") for layout in layouts for mode in modes]
-    by_group = {g: [c for c in pool if group(c) == g and cell_name(*c) not in chosen] for g in groups}
-    for g in groups:  # coverage: every layout x mode (knobs as drawn), unless already there
-        if by_group[g] and not any(group(c) == g for c in chosen.values()):
-            add(by_group[g].pop(0))
-    while len(chosen) < n and any(by_group.values()):  # then round robin over the groups
-        for g in groups:
-            while by_group[g] and cell_name(*by_group[g][0]) in chosen:
-                by_group[g].pop(0)
-            if by_group[g]:
-                add(by_group[g].pop(0))
-    return sorted(chosen.values(), key=lambda c: complexity(*c, base=base))
+def config_row(cfg, opts) -> dict | None:
+    """A config as a covering-array row (None when it has a knob the array does not have)."""
+    if cfg.max_num_seqs != 8:
+        return None
+    return {"layout": cfg.layout, "mode": "eager" if cfg.cudagraph_mode == "NONE" else "compiled",
+            "spec": cfg.num_speculative_tokens if cfg.speculative_method == "ngram" else 0,
+            "budget": cfg.max_num_batched_tokens, "block": cfg.block_size, "prefix": opts.enable_prefix_caching,
+            "async": opts.async_scheduling, "dtype": cfg.dtype, "max_len": cfg.max_model_len,
+            "kv": "small" if opts.kv_blocks else "large"}

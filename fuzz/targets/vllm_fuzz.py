@@ -10,9 +10,17 @@ fuzz a real vLLM (docs/vllm.md).
 - simpler: straight to one request with a one-token prompt and max_tokens=1 (each request in
   turn), then fuzz.shrink's candidates on the same config, then the config one knob at a time
   toward the defaults (`simpler_configs`; each costs an engine start).
-- a crash or hang ends its cell; a crash whose signature is known (`--known`) is counted, not
-  written; a second failure of a property the cell already reported is counted as a repeat;
-  a config vLLM refuses at start-up by its own config checks is *unsupported*, not a failure.
+- a crash or hang ends its cell; a crash whose signature is known (`--known`, by default the
+  committed reproducers') or was already written in an earlier cell is counted, not written
+  again (one reproducer per signature); a second failure of a property the cell already
+  reported is counted as a repeat; a config vLLM refuses at start-up by its own config
+  checks is *unsupported*, not a failure.
+- a start-up crash or hang is the cell's first example's failure (`start` keeps it, `check`
+  raises it), so it is shrunk like any other: straight to the config candidates, one knob
+  at a time (a workload cannot matter before the engine is up).
+- time: the campaign sets `deadline` (its budget's hard end); a shrink candidate whose
+  engine start would not fit before it is skipped (not a failure), so shrinking stays
+  within the budget.
 """
 from __future__ import annotations
 
@@ -20,6 +28,7 @@ from dataclasses import replace
 
 from fuzz.case import RequestSpec, Workload
 from fuzz.target import Cell, Target, Unsupported
+from fuzz.targets.vllm_summary import NOTES, summary_json, summary_table
 
 
 def reproducer_meta(case, violation, vllm_version: str | None) -> dict:
@@ -35,6 +44,23 @@ def reproducer_meta(case, violation, vllm_version: str | None) -> dict:
     if getattr(violation, "signature", None):
         meta["signature"] = violation.signature
     return meta
+
+
+class Unchecked:
+    """What `check` returns for a Case it could not afford to run before the campaign's hard
+    deadline: nothing was violated (a shrink candidate is not taken), and the campaign loop
+    sees an error ratio of 0. `record` counts it, as `unchecked`, not as a verdict."""
+
+    __slots__ = ("case",)
+
+    def __init__(self, case) -> None:
+        self.case = case
+
+    @property
+    def logits(self):
+        from fuzz.properties import LogitsReport
+
+        return LogitsReport("none", 0.0, 1.0, 0)
 
 
 def _on(template):
@@ -56,6 +82,15 @@ class VLLMFuzzTarget(Target):
         self.max_requests, self.shrink_configs = max_requests, shrink_configs
         self._checker, self._own = checker, checker is None
         self._starts: dict[str, tuple[int, float]] = {}  # engine starts before each cell
+        self._start_failed: dict[str, object] = {}  # engine key -> its start-up TargetFailure, not yet raised
+        self._failed_keys: set[str] = set()  # engine keys whose start failed: shrink their config only
+        self.written: dict[str, str] = {}  # signature -> cell that first reported it
+        self.duplicates: list[dict] = []  # the same signature found again in another cell
+        self.deadline: float | None = None  # time.monotonic(): the campaign's hard end
+        # Cases `check` could not afford before the deadline (each `Unchecked`): in all, and
+        # since the last reproducer was written (a shrink that skipped candidates may call
+        # itself minimal: the reproducer says how many it skipped).
+        self.unchecked, self._unchecked_since_write = 0, 0
 
     @property
     def checker(self):
@@ -77,13 +112,71 @@ class VLLMFuzzTarget(Target):
         return out
 
     def check(self, case):
-        return self.checker.check(case)
+        """The checker's verdict; a start-up failure kept by `start` is raised as this
+        Case's. A Case whose engine would have to start and cannot before `deadline` is not
+        checked (`Unchecked`: a shrink candidate that does not fail)."""
+        import time
+
+        from fuzz.targets import TargetFailure
+        from fuzz.targets.vllm_checker import violation_for
+        from fuzz.targets.vllm_target import VLLMOptions
+
+        t, opts = self.checker.target, VLLMOptions.of(case)
+        key = t.engine_key(case.config, opts)
+        if key in self._start_failed:
+            raise violation_for(self._start_failed.pop(key), case)
+        if self.deadline is not None and not t.is_live(case.config, opts):
+            if time.monotonic() + self.startup_estimate(case.config) + 5.0 > self.deadline:
+                return self._unchecked(case)
+        t.deadline = self.deadline
+        from fuzz.targets.vllm_checker import VLLMCrash
+
+        try:
+            return self.checker.check(case)
+        except TargetFailure as f:  # "deadline": the campaign's time ran out mid-check
+            if f.kind != "deadline":
+                raise
+            return self._unchecked(case)
+        except VLLMCrash as v:
+            if v.kind == "startup":  # shrink this config's knobs, not its workload
+                self._failed_keys.add(key)
+            raise
+
+    def _unchecked(self, case) -> "Unchecked":
+        self.unchecked += 1
+        self._unchecked_since_write += 1
+        return Unchecked(case)
+
+    def startup_estimate(self, cfg) -> float:
+        """Seconds an engine start for `cfg` will take: the longest measured so far for its
+        kind (workers x compiled), else the plan's estimate."""
+        from fuzz.targets.vllm_covering import startup_cost
+
+        kind = (cfg.world_size, cfg.cudagraph_mode != "NONE")
+        seen = [s["seconds"] for s in self.checker.target.starts if s.get("kind") == list(kind)]
+        if seen:
+            return max(seen)
+        return startup_cost({"mode": "compiled" if kind[1] else "eager", "dtype": cfg.dtype,
+                             "layout": "tp1pp1" if cfg.world_size == 1 else "tp2pp1"})
 
     def simpler(self, case):
         from engine.config import ConfigError
         from fuzz.shrink import candidates
         from fuzz.targets.vllm_target import VLLMOptions
 
+        if self.checker.target.engine_key(case.config, VLLMOptions.of(case)) in self._failed_keys:
+            # Failed at start-up: only the config can matter. One knob toward the defaults at a
+            # time, then the one-request workload.
+            for cfg, opts in (simpler_configs(case.config, VLLMOptions.of(case), eager_first=True)
+                              if self.shrink_configs else ()):
+                try:
+                    yield opts.on(replace(case, config=cfg))
+                except ConfigError:
+                    continue
+            tiny = case.workload.requests[0]
+            yield replace(case, workload=Workload((replace(tiny, prompt_token_ids=tiny.prompt_token_ids[:1],
+                                                           max_tokens=1, arrival_step=0),)))
+            return
         for r in case.workload.requests:
             tiny = replace(r, prompt_token_ids=r.prompt_token_ids[:1], max_tokens=1, arrival_step=0)
             yield replace(case, workload=Workload((tiny,)))
@@ -97,7 +190,9 @@ class VLLMFuzzTarget(Target):
                     continue
 
     def reproducer_meta(self, case, violation) -> dict:
-        return reproducer_meta(case, violation, self.vllm_version)
+        meta = reproducer_meta(case, violation, self.vllm_version)
+        meta["shrink_candidates_skipped_for_time"], self._unchecked_since_write = self._unchecked_since_write, 0
+        return meta
 
     def stats_key(self, case) -> tuple:
         from fuzz.targets.vllm_target import VLLMOptions, cell_name
@@ -112,12 +207,21 @@ class VLLMFuzzTarget(Target):
         t = self.checker.target
         st = t.stats.get(cell.name)
         self._starts[cell.name] = (st.starts, st.startup_s) if st else (0, 0.0)
+        cfg, opts = cell.data.config, VLLMOptions.of(cell.data)
+        t.deadline = self.deadline
         try:
-            t.ensure(cell.data.config, VLLMOptions.of(cell.data))
+            t.ensure(cfg, opts)
         except TargetFailure as f:
             if unsupported(f):
                 raise Unsupported(f"unsupported by vLLM: {f.signature}: {f.detail}") from None
-            raise violation_for(f, cell.data) from None
+            if f.kind == "deadline":
+                raise Unsupported("not started: the campaign's time ran out") from None
+            if f.signature in self.known or f.signature in self.written:
+                raise violation_for(f, cell.data) from None  # counted, not shrunk: one start-up was enough
+            # The cell's first example raises it (`check`), so the campaign shrinks it.
+            key = t.engine_key(cfg, opts)
+            self._start_failed[key] = f
+            self._failed_keys.add(key)
 
     def triage(self, violation, earlier: list) -> str:
         from fuzz.targets.vllm_checker import VLLMCrash
@@ -125,6 +229,17 @@ class VLLMFuzzTarget(Target):
         crash = isinstance(violation, VLLMCrash)
         if crash and violation.signature in self.known:
             return "known"
+        if crash:
+            from fuzz.targets.vllm_target import VLLMOptions, cell_name
+
+            c = violation.case
+            here = cell_name(c.config, VLLMOptions.of(c)) if c is not None else "?"
+            first = self.written.setdefault(violation.signature, here)
+            if first != here:
+                # One reproducer per signature: found again in another cell, counted, not written.
+                if not any(d["cell"] == here and d["signature"] == violation.signature for d in self.duplicates):
+                    self.duplicates.append({"signature": violation.signature, "first_cell": first, "cell": here})
+                return "known"
         if not crash and any(f.property == violation.property for f in earlier):
             return "repeat"  # the same disagreement again: every further example would repeat it
         return "new"
@@ -135,6 +250,9 @@ class VLLMFuzzTarget(Target):
         return isinstance(violation, VLLMCrash)  # the engine is gone; each example would restart it
 
     def record(self, stats, verdict) -> None:
+        if isinstance(verdict, Unchecked):
+            stats.notes["unchecked"] = stats.notes.get("unchecked", 0) + 1
+            return
         n = stats.notes
         for k in NOTES:
             n.setdefault(k, NOTES[k])
@@ -153,6 +271,9 @@ class VLLMFuzzTarget(Target):
         stats.notes["engine_starts"] = st.starts - s0 if st else 0
         stats.notes["startup_s"] = round(st.startup_s - ss0, 1) if st else 0.0
         stats.notes["llm_kwargs"] = llm_kwargs(cell.data.config, VLLMOptions.of(cell.data))
+        ds = self._checker.draft_stats.get(cell.name) if self._checker is not None else None
+        if ds is not None:
+            stats.notes["drafts"] = ds.to_json()
 
     def describe(self) -> str:
         return f"vLLM, {len(self.configs)} config(s)"
@@ -176,47 +297,6 @@ class VLLMFuzzTarget(Target):
             self._checker.close()
 
 
-# -- the campaign's Summary, as vLLM campaigns have reported it ---------------------------------
-
-def _failure_json(f) -> dict:
-    return {"property": f.property, "message": f.message[:500], "signature": f.meta.get("signature"),
-            "config": f.meta.get("row"), "case": f.case_desc, "path": f.path,
-            "shrink_checks": f.meta.get("shrink_checks", 0)}
-
-
-# What each row's notes hold (Target.record, cell_done), as a cell with no examples has them.
-NOTES = {"engine_starts": 0, "startup_s": 0.0, "max_lp_error_vs_reference": 0.0, "near_tie_divergences": 0,
-         "max_lp_error_vs_transformers": 0.0, "prompt_logprob_positions_checked": 0, "llm_kwargs": {}}
-
-
-def _cell_json(name: str, c, failures: list) -> dict:
-    return {"examples": c.examples, "seconds": round(c.seconds, 2),
-            "examples_per_s": round(c.examples / c.seconds, 3) if c.seconds else None,
-            "failures": [_failure_json(f) for f in failures if f.cell == name], "known": c.known,
-            "unsupported": c.unsupported, "stopped": c.stopped, "repeats": c.repeats, **NOTES, **c.notes}
-
-
-def summary_json(s, target: VLLMFuzzTarget) -> dict:
-    """fuzz.campaign.Summary of a vLLM campaign, per config (docs/vllm.md, `--json`)."""
-    cells = {k[0]: c for k, c in s.cells.items()}
-    return {"target": "vllm", "vllm_version": target.vllm_version, "budget_s": s.budget_s,
-            "seed": s.seed, "seconds": round(s.seconds, 1), "oracles": target.oracles(), "planned_configs": s.planned,
-            "examples": s.examples, "failures": [_failure_json(f) for f in s.failures],
-            "known": [k for c in cells.values() for k in c.known],
-            "unsupported": {n: c.unsupported for n, c in cells.items() if c.unsupported},
-            "per_cell": {n: _cell_json(n, c, s.failures) for n, c in cells.items()},
-            "interrupted": s.interrupted, "write_errors": s.write_errors}
-
-
-def summary_table(s) -> str:
-    rows = [f"{'cell':<44}{'examples':>9}{'ex/s':>7}{'starts':>7}{'start s':>8}{'fail':>5}{'known':>6}  note"]
-    for (name, _), c in s.cells.items():
-        rate = f"{c.examples / c.seconds:.2f}" if c.seconds else "-"
-        rows.append(f"{name:<44}{c.examples:>9}{rate:>7}{c.notes.get('engine_starts', 0):>7}"
-                    f"{c.notes.get('startup_s', 0.0):>8.1f}{c.failures:>5}{len(c.known):>6}  {c.stopped}")
-    return "\n".join(rows)
-
-
 UNSUPPORTED_TYPES = ("ValueError", "NotImplementedError")
 
 
@@ -231,24 +311,33 @@ def unsupported(f) -> bool:
                                                           "vllm/platforms/"))
 
 
-def simpler_configs(cfg, opts):
+def simpler_configs(cfg, opts, eager_first: bool = False):
     """One knob of (cfg, opts) back toward the default per candidate, cheapest-to-test first:
-    options, speculation, block size, budget and sequences, then eager, then tp1pp1."""
+    options (prefix caching, async, KV size), speculation, block size, budget, sequences,
+    dtype, max_model_len, then eager, then tp1pp1. `eager_first` (a start-up failure):
+    compiled -> eager first, since every later candidate is an engine start and an eager
+    start costs a fraction of a compiled one."""
+    from fuzz.targets.vllm_configs import _fit
     from fuzz.targets.vllm_target import VLLM_MODEL
 
     base = VLLM_MODEL
     out = []
+    eager = [(cfg.replace(cudagraph_mode="NONE", capture_sizes=()), opts)] if cfg.cudagraph_mode != "NONE" else []
+    if eager_first:
+        out += eager
     if opts.enable_prefix_caching:
         out.append((cfg, replace(opts, enable_prefix_caching=False)))
     if opts.async_scheduling:
         out.append((cfg, replace(opts, async_scheduling=False)))
+    if opts.kv_blocks:
+        out.append((cfg, replace(opts, kv_blocks=0)))
     if cfg.speculative_method != "none":
         out.append((cfg.replace(speculative_method="none", num_speculative_tokens=0), opts))
-    for f in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+    for f in ("block_size", "max_num_batched_tokens", "max_num_seqs", "dtype", "max_model_len"):
         if getattr(cfg, f) != getattr(base, f):
-            out.append((cfg.replace(**{f: getattr(base, f)}), opts))
-    if cfg.cudagraph_mode != "NONE":
-        out.append((cfg.replace(cudagraph_mode="NONE", capture_sizes=()), opts))
+            out.append((_fit(cfg.replace(**{f: getattr(base, f)})), opts))
+    if not eager_first:
+        out += eager
     if cfg.world_size > 1:
         out.append((cfg.replace(layout="tp1pp1"), opts))
     return out

@@ -11,13 +11,19 @@ re-pointed at stderr before vLLM is imported, so vLLM's own logging, and that of
 engine-core and worker processes it spawns, goes to the log the parent reads crash
 tracebacks from).
 
-    argv[1] = JSON {"model": DIR, "llm_kwargs": {...}}
-    -> {"event": "ready", "startup_s": S, "vllm_version": V}   or   {"event": "error", ...}
+    argv[1] = JSON {"model": DIR, "llm_kwargs": {...}, "env": {...}}, or argv[1] = "--warm":
+    vLLM is imported first and the spec is the first line of stdin (a pre-imported spare
+    worker: the target starts the next config's worker while the current one is fuzzed, so
+    the ~7-16 s import of vLLM is off the critical path)
+    -> {"event": "ready", "startup_s": S, "import_s": S, "vllm_version": V}   or   {"event": "error", ...}
     {"cmd": "run", "requests": [{"id", "prompt_token_ids", "max_tokens", "arrival_step"}],
      "logprobs": K, "prompt_logprobs": K or null}
     -> {"event": "result", "seconds": S, "steps": N,
         "results": {id: {"token_ids": [...], "logprobs": [[[tok, logprob], ...], ...],
-                         "prompt_logprobs": [...]}}}   (prompt tokens 1.., when asked for)
+                         "prompt_logprobs": [...]}},   (prompt tokens 1.., when asked for)
+        "drafts": {id: [[n, k, [draft...]], ...]}}   (n-gram drafts, with LLMFUZZ_VLLM_DRAFTS)
+    while running: {"event": "progress", "step": N} after every step (the target's watchdog:
+    no progress for a while is a hang, and every process's stack is dumped)
     {"cmd": "exit"}
 
 A request with `arrival_step` a > 0 is added just before the driver's (a+1)-th call of
@@ -59,7 +65,38 @@ def _positions(logprobs) -> list:
     return out
 
 
-def _run(llm, cmd: dict) -> dict:
+def _drafts_since(offsets: dict) -> dict:
+    """The n-gram drafts the model runner(s) recorded since `offsets` (vllm_site/sitecustomize.py),
+    by request id as given to add_request (vLLM appends '-<8 random chars>' internally); a
+    draft recorded by several tp ranks is kept once."""
+    d = os.environ.get("LLMFUZZ_VLLM_DRAFTS")
+    out: dict = {}
+    if not d or not os.path.isdir(d):
+        return out
+    seen = set()
+    for name in sorted(os.listdir(d)):
+        path = os.path.join(d, name)
+        with open(path) as f:
+            f.seek(offsets.get(path, 0))
+            data = f.read()
+        offsets[path] = offsets.get(path, 0) + len(data.encode())
+        for line in data.splitlines():
+            for rid, n, k, draft in json.loads(line):
+                ext = rid.rsplit("-", 1)[0]
+                if (ext, n) not in seen:
+                    seen.add((ext, n))
+                    out.setdefault(ext, []).append([n, k, draft])
+    return out
+
+
+def _draft_offsets() -> dict:
+    d = os.environ.get("LLMFUZZ_VLLM_DRAFTS")
+    if not d or not os.path.isdir(d):
+        return {}
+    return {os.path.join(d, n): os.path.getsize(os.path.join(d, n)) for n in os.listdir(d)}
+
+
+def _run(llm, cmd: dict, progress=None) -> dict:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -69,6 +106,7 @@ def _run(llm, cmd: dict) -> dict:
     pending = sorted(cmd["requests"], key=lambda r: int(r.get("arrival_step", 0)))
     results: dict = {}
     t0 = time.perf_counter()
+    offsets = _draft_offsets()
     step = 0
     while pending or eng.has_unfinished_requests():
         while pending and int(pending[0].get("arrival_step", 0)) <= step:
@@ -86,7 +124,10 @@ def _run(llm, cmd: dict) -> dict:
                 if pk is not None:  # position 0 is None (nothing precedes the first token)
                     results[out.request_id]["prompt_logprobs"] = _positions((out.prompt_logprobs or [None])[1:])
         step += 1
-    return {"event": "result", "seconds": time.perf_counter() - t0, "steps": step, "results": results}
+        if progress is not None:
+            progress(step)
+    return {"event": "result", "seconds": time.perf_counter() - t0, "steps": step, "results": results,
+            "drafts": _drafts_since(offsets)}
 
 
 def main() -> int:
@@ -98,9 +139,16 @@ def main() -> int:
         proto.write(json.dumps(obj) + "\n")
         proto.flush()
 
-    spec = json.loads(sys.argv[1])
+    warm = sys.argv[1] == "--warm"
     t0 = time.perf_counter()
     try:
+        if warm:  # import now, wait for the config: the import is paid before it is needed
+            import vllm  # noqa: F401
+            import vllm.entrypoints.llm  # noqa: F401
+        import_s = time.perf_counter() - t0
+        spec = json.loads(sys.stdin.readline() if warm else sys.argv[1])
+        t0 = time.perf_counter()
+        os.environ.update(spec.get("env") or {})  # vllm.envs reads the environment when asked
         import vllm
         from vllm import LLM
 
@@ -108,7 +156,8 @@ def main() -> int:
     except BaseException as e:  # noqa: BLE001 - every start-up failure is reported
         reply(_error(e))
         return 3
-    reply({"event": "ready", "startup_s": time.perf_counter() - t0, "vllm_version": vllm.__version__})
+    reply({"event": "ready", "startup_s": time.perf_counter() - t0, "import_s": import_s,
+           "vllm_version": vllm.__version__})
     for line in sys.stdin:
         if not line.strip():
             continue
@@ -116,7 +165,7 @@ def main() -> int:
         if cmd.get("cmd") == "exit":
             break
         try:
-            reply(_run(llm, cmd))
+            reply(_run(llm, cmd, lambda step: reply({"event": "progress", "step": step})))
         except BaseException as e:  # noqa: BLE001 - a crash is a finding; report it and stop
             reply(_error(e))
             return 3

@@ -17,13 +17,18 @@ def pytest_configure(config):
 FAKE = textwrap.dedent('''
     import json, os, sys, time
     proto = os.fdopen(os.dup(1), "w", buffering=1)
-    spec = json.loads(sys.argv[1])
+    spec = json.loads(sys.stdin.readline() if sys.argv[1] == "--warm" else sys.argv[1])
     mode = os.environ.get("FAKE_MODE", "ok")
     if mode == "nostart":
         print("Traceback (most recent call last):", file=sys.stderr)
         print('  File "/x/site-packages/vllm/engine/arg_utils.py", line 1, in create_engine_config', file=sys.stderr)
         print("ValueError: unsupported", file=sys.stderr)
         sys.exit(1)
+    if mode == "startcrash_tp2" and spec["llm_kwargs"].get("tensor_parallel_size") == 2:
+        proto.write(json.dumps({"event": "error", "type": "RuntimeError", "message": "tp2 start", "frames": [
+            {"file": "/x/site-packages/vllm/v1/executor/multiproc_executor.py", "line": 1, "func": "_init_executor"}]})
+            + "\\n")
+        sys.exit(3)
     proto.write(json.dumps({"event": "ready", "startup_s": 0.0, "vllm_version": "fake"}) + "\\n")
     for line in sys.stdin:
         cmd = json.loads(line)

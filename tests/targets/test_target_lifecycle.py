@@ -57,9 +57,43 @@ def test_hang_is_a_failure_within_the_bound_and_the_group_is_killed(fake):
     t0 = time.monotonic()
     with pytest.raises(TargetFailure) as ei:
         t.run(vc.vllm_case([([1], 1)]))
-    assert ei.value.kind == "hang" and ei.value.signature == "hang@run"
+    # The worker's stack was dumped (faulthandler on SIGUSR1, vllm_site/sitecustomize.py) and
+    # the hang named by its stuck frame: the fake sleeps at module level.
+    assert ei.value.kind == "hang" and ei.value.signature == "hang@fake_worker.py:<module>"
     assert time.monotonic() - t0 < 30
     assert not _alive(pid)
+    t.close()
+
+
+def test_no_progress_is_a_hang_long_before_the_run_bound(fake):
+    """The watchdog: `hang_s` without a progress line is a hang, whatever the run's bound."""
+    t = fake("hang", run_timeout_s=600.0, hang_s=2.0)
+    t0 = time.monotonic()
+    with pytest.raises(TargetFailure) as ei:
+        t.run(vc.vllm_case([([1], 1)]))
+    assert ei.value.kind == "hang" and time.monotonic() - t0 < 15
+    t.close()
+
+
+def test_stop_kills_the_worker_group_within_seconds(fake):
+    """SIGTERM sets the stop flag (fuzz.stop): a run waiting on a hung worker kills the whole
+    group (worker and spare) within a second, not after the run's bound."""
+    import threading
+
+    from fuzz.stop import StopRequested, clear_stop, request_stop
+
+    t = fake("hang", run_timeout_s=600.0, hang_s=600.0)
+    t.ensure(vt.VLLM_MODEL)
+    pids = [t._w.proc.pid, t._spare.proc.pid]
+    threading.Timer(1.0, request_stop).start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(StopRequested):
+            t.run(vc.vllm_case([([1], 1)]))
+    finally:
+        clear_stop()
+    assert time.monotonic() - t0 < 5
+    assert not any(_alive(p) for p in pids)
     t.close()
 
 
@@ -95,3 +129,23 @@ def test_disagreement_with_the_reference_is_a_violation(fake):
     with pytest.raises(vc.VLLMvsReference):
         chk.check(vc.vllm_case([([1, 2, 3], 4)]))
     chk.close()
+
+
+def test_a_check_that_cannot_start_before_the_deadline_is_skipped_not_failed(fake):
+    """The campaign's hard deadline: a Case whose engine would have to start (estimated from
+    the starts measured so far, else the plan's estimate) and could not before it is not run;
+    it counts as not failing (a shrink candidate not taken) and the reproducer says how many
+    candidates were skipped, so a `minimal` claim can be judged."""
+    from fuzz.targets.vllm_fuzz import Unchecked, VLLMFuzzTarget
+
+    ft = VLLMFuzzTarget([], checker=vc.VLLMChecker(fake("ok"), transformers=False))
+    ft.deadline = time.monotonic() + 1.0  # a tp1 eager start is estimated at 6 s
+    case = vc.vllm_case([([1, 2], 2)])
+    assert isinstance(ft.check(case), Unchecked) and ft.unchecked == 1
+    assert ft.checker.target.starts == []  # nothing was started
+    assert ft.reproducer_meta(case, None)["shrink_candidates_skipped_for_time"] == 1
+    assert ft.reproducer_meta(case, None)["shrink_candidates_skipped_for_time"] == 0
+    ft.deadline = None
+    with pytest.raises(vc.VLLMvsReference):  # the fake answers token 7: with time, it is checked
+        ft.check(case)
+    ft.checker.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 
 import pytest
@@ -101,27 +102,37 @@ def test_configs_shrink_open():
     assert vt.cell_name(cfg, opts) == "tp1pp1-compiled-ngram2"
 
 
-def test_plan_simplest_first_and_covers_every_layout_and_mode():
-    plan = plan_configs(6, seed=0)
+def test_plan_is_deterministic_cheapest_first_and_restricted_to_the_layouts_given():
+    from fuzz.targets.vllm_configs import config_row
+    from fuzz.targets.vllm_covering import startup_cost
+
+    plan = plan_configs(14, seed=0)
     names = [vt.cell_name(*c) for c in plan]
-    assert names[0] == "tp1pp1-eager" and len(set(names)) == 6
+    assert len(set(names)) == len(names) and names[0].startswith("tp1pp1-eager")
+    assert plan == plan_configs(14, seed=0)  # deterministic for a seed
+    assert plan != plan_configs(14, seed=3)  # another seed, another plan
     groups = {(c.layout, c.cudagraph_mode != "NONE") for c, _ in plan}
-    assert groups == {(lay, m == "compiled") for lay in VLLM_LAYOUTS for m in VLLM_MODES}
-    assert plan == plan_configs(6, seed=0)  # deterministic for a seed
-    assert [vt.cell_name(*c) for c in plan_configs(1, seed=5)] == ["tp1pp1-eager"]
-    only = plan_configs(3, seed=1, layouts=("tp1pp2",), modes=("eager",))
-    assert vt.cell_name(*only[0]) == "tp1pp2-eager" and all(c.layout == "tp1pp2" for c, _ in only)
+    # every layout x mode but pp2 eager: a known crash on the first step (KNOWN_CRASH_COMBOS)
+    assert groups == {(lay, m == "compiled") for lay in VLLM_LAYOUTS for m in VLLM_MODES} - {("tp1pp2", False)}
+    costs = [startup_cost(config_row(*c)) for c in plan]
+    from fuzz.targets.vllm_configs import plan_rows
+    k = plan_rows(0)[1]
+    assert costs[:k] == sorted(costs[:k])  # the pair-covering configs, cheapest first
+    only = plan_configs(3, seed=1, layouts=("tp1pp2",), modes=("eager",))  # asked for: planned anyway
+    assert len(only) == 3 and all(c.layout == "tp1pp2" and c.cudagraph_mode == "NONE" for c, _ in only)
 
 
 def test_campaign_configs_from_arguments():
-    assert len(campaign_configs(budget_s=900)) == 6
-    assert len(campaign_configs(budget_s=60)) == 1
+    assert len(campaign_configs(budget_s=900)) >= 12  # the covering plan's pairs, cheapest first
+    assert len(campaign_configs(budget_s=20)) == 1
+    assert len(campaign_configs(budget_s=300)) < len(campaign_configs(budget_s=900))
     named = campaign_configs(budget_s=900, cells="tp1pp2-eager,tp1pp1-compiled-b16-s2-blk64-ngram2+enable_prefix_caching")
     assert [vt.cell_name(*c) for c in named] == ["tp1pp2-eager", "tp1pp1-compiled-b16-s2-blk64-ngram2+enable_prefix_caching"]
-    ex = campaign_configs(budget_s=1500, exclude="tp1pp2-eager")
-    assert len(ex) == 10 and not any(vt.cell_name(*c).startswith("tp1pp2-eager") for c in ex)
-    assert [vt.cell_name(*c) for c in campaign_configs(budget_s=900, layouts="tp1pp2", modes="eager", count=1)] \
-        == ["tp1pp2-eager"]
+    ex = campaign_configs(budget_s=1500, exclude="tp2pp1-eager")
+    assert len(ex) >= 10 and not any(vt.cell_name(*c).startswith("tp2pp1-eager") for c in ex)
+    one = campaign_configs(budget_s=900, layouts="tp1pp2", modes="eager", count=1)
+    assert len(one) == 1 and vt.cell_name(*one[0]).startswith("tp1pp2-eager")
+    assert len(campaign_configs(budget_s=900, count=3)) == 3
 
 
 def test_simpler_configs_one_knob_each():
@@ -134,6 +145,12 @@ def test_simpler_configs_one_knob_each():
                      "tp2pp1-eager-b16-s2-blk64-ngram2+enable_prefix_caching",
                      "tp1pp1-compiled-b16-s2-blk64-ngram2+enable_prefix_caching"]
     assert simpler_configs(vt.VLLM_MODEL, vt.VLLMOptions()) == []
+    # The covering plan's knobs shrink too; a start-up failure tries eager first (cheaper starts).
+    cfg, opts = vt.parse_cell_name("tp1pp2-compiled-ngram1-bf16-len256-kv5")
+    names = [vt.cell_name(*c) for c in simpler_configs(cfg, opts, eager_first=True)]
+    assert names == ["tp1pp2-eager-ngram1-bf16-len256-kv5", "tp1pp2-compiled-ngram1-bf16-len256",
+                     "tp1pp2-compiled-bf16-len256-kv5", "tp1pp2-compiled-ngram1-len256-kv5",
+                     "tp1pp2-compiled-ngram1-bf16-kv5", "tp1pp1-compiled-ngram1-bf16-len256-kv5"]
 
 
 # -- with a fake worker -------------------------------------------------------------------------
@@ -186,6 +203,30 @@ def test_cli_campaign_against_a_fake_vllm_finds_shrinks_and_writes(fake, tmp_pat
     assert len(doc["case"]["workload"]) == 1
     cell = summary["per_cell"]["tp1pp1-eager"]
     assert cell["engine_starts"] >= 1 and cell["examples"] >= 1
+
+
+def test_startup_crash_is_shrunk_by_config_and_written_once_across_cells(fake, tmp_path, capsys):
+    """A start-up crash is its cell's first example's failure, shrunk one config knob at a
+    time (no workload steps: the engine never ran); the same signature in a later cell is
+    counted as a duplicate, not written again."""
+    fake("startcrash_tp2")
+    out = tmp_path / "repros"
+    rc = cli.main(["run", "--target", "vllm", "--budget", "20", "--cells", "tp2pp1-eager-b16-blk64,tp2pp1-eager-blk128",
+                   "--json", "--quiet", "--out", str(out), "--known", os.devnull])
+    s = json.loads(capsys.readouterr().out)
+    assert rc == 1 and len(s["failures"]) == 1
+    f = s["failures"][0]
+    assert f["property"] == "vllm_crash" and f["signature"] == "RuntimeError@vllm/v1/executor/multiproc_executor.py:_init_executor"
+    doc = json.load(open(f["path"]))
+    cfg = doc["case"]["config"]
+    assert (cfg["block_size"], cfg["max_num_batched_tokens"], cfg["tensor_parallel_size"]) == (32, 128, 2), (f, s["per_cell"])
+    assert f["shrink_checks"] <= 6  # config steps and the one-request workload, not a workload search
+    assert [d["cell"] for d in s["duplicate_signatures"]] == ["tp2pp1-eager-blk128"]
+    assert len(list(out.rglob("*.json"))) == 1
+    # The plan is in the summary, and neither cell exercised its pairs (both died starting).
+    assert [c["name"] for c in s["plan"]["configs"]] == ["tp2pp1-eager-b16-blk64", "tp2pp1-eager-blk128"]
+    assert s["plan"]["pairs_covered"] > 0 and s["pairs_exercised"]["covered"] == 0
+    assert [x["ok"] for x in s["engine_starts"]][:1] == [False] and s["startup_fraction"] is not None
 
 
 def test_prompt_logprobs_asked_for_unless_prefix_caching(fake):
