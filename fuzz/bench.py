@@ -29,8 +29,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (layout, mode, where): "inproc" ranks are threads of this process, "gloo" ranks are
 # torch.distributed processes, "cuda" runs on the GPU (bf16, torch_flash) when there is one.
 CELLS = (("tp1pp1", "eager", "inproc"), ("tp1pp1", "graph", "inproc"), ("tp2pp4", "eager", "inproc"),
-         ("tp1pp8", "eager", "inproc"), ("tp1pp8", "graph", "inproc"), ("tp8pp1", "eager", "inproc"),
-         ("tp1pp2", "eager", "gloo"))
+         ("tp2pp4", "graph", "inproc"), ("tp1pp8", "eager", "inproc"), ("tp1pp8", "graph", "inproc"),
+         ("tp8pp1", "eager", "inproc"), ("tp1pp2", "eager", "gloo"))
 CUDA_CELLS = (("tp1pp1", "eager", "cuda"), ("tp1pp1", "graph", "cuda"), ("tp2pp4", "eager", "cuda"),
               ("tp1pp8", "graph", "cuda"))
 
