@@ -43,7 +43,10 @@ def prompt_lengths(cfg: EngineConfig) -> st.SearchStrategy[int]:
     edges = sorted({n for k in (1, 2, 3) for n in (k * bs - 1, k * bs, k * bs + 1)}
                    | {budget - 1, budget, budget + 1, 2 * budget + 1})
     edges = [n for n in edges if 1 <= n <= cfg.max_model_len // 2]
-    return st.one_of(st.integers(1, 12), st.sampled_from(edges), st.integers(1, cfg.max_model_len // 2))
+    # No edge fits when a block and the budget are past half of max_model_len (vLLM's block
+    # 128 with a 128-token budget and max_model_len): then only the plain ranges.
+    edge = (st.sampled_from(edges),) if edges else ()
+    return st.one_of(st.integers(1, 12), *edge, st.integers(1, cfg.max_model_len // 2))
 
 
 def tokens_from_seed(seed: int, length: int, vocab: int) -> tuple[int, ...]:

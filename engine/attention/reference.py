@@ -151,9 +151,16 @@ def _tensor_key(t: torch.Tensor) -> tuple:
 
 # Plans by their metadata's content, on the CPU: the TP ranks of a stage, a Case's reference
 # and test runs, and the layers of a forward all launch the same work for the same batch.
-# A plan is read-only once made. Bounded: a long Case's plan holds ~1 MB of indices.
+# A plan is read-only once made. Bounded by bytes as well as by count: a long Case's plan
+# holds ~1 MB of indices, and 32 of those grew a campaign's RSS by ~45 MB (the memory test).
 _CPU_PLANS: "OrderedDict[tuple, LaunchPlan | None]" = OrderedDict()
-CPU_PLANS_KEPT = 32
+CPU_PLANS_KEPT, CPU_PLANS_BYTES = 64, 8 << 20
+_cpu_plan_bytes = 0
+
+
+def _plan_bytes(plan: LaunchPlan | None) -> int:
+    return 0 if plan is None else sum(t.nbytes for p in (plan, *plan.rest)
+                                      for t in (p.q_row, p.slots, p.blocked, p.dst))
 
 
 def plan_launch(cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, T, block_size, causal,
@@ -168,9 +175,11 @@ def plan_launch(cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k
         if key in _CPU_PLANS:
             _CPU_PLANS.move_to_end(key)
             return _CPU_PLANS[key]
+        global _cpu_plan_bytes
         plan = _CPU_PLANS[key] = _make_plan(cu_seqlens_q, seqused_k, block_table, *scalars, host=True)
-        if len(_CPU_PLANS) > CPU_PLANS_KEPT:
-            _CPU_PLANS.popitem(last=False)
+        _cpu_plan_bytes += _plan_bytes(plan)
+        while len(_CPU_PLANS) > 1 and (len(_CPU_PLANS) > CPU_PLANS_KEPT or _cpu_plan_bytes > CPU_PLANS_BYTES):
+            _cpu_plan_bytes -= _plan_bytes(_CPU_PLANS.popitem(last=False)[1])
         return plan
     key = None
     if plans is not None:

@@ -203,3 +203,21 @@ def test_reproducer_infinite_ratio_round_trips(tmp_path) -> None:
         doc = json.load(f, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
     assert doc["error_ratio"] == "inf"
     assert load_reproducer(path).error_ratio == float("inf")
+
+
+def test_prompt_lengths_draw_when_no_block_or_budget_edge_fits():
+    """vLLM's block 128 with a 128-token budget and max_model_len 128: every edge is past half
+    the context, and the strategy must still draw (it raised, ending a vLLM campaign)."""
+    from hypothesis import given, settings
+
+    from fuzz.strategies import FUZZ_MODEL, prompt_lengths
+
+    cfg = FUZZ_MODEL.replace(block_size=128, max_num_batched_tokens=128, max_model_len=128, num_gpu_blocks=8)
+    seen = []
+
+    @settings(max_examples=30, database=None, deadline=None)
+    @given(prompt_lengths(cfg))
+    def draw(n):
+        seen.append(n)
+    draw()
+    assert seen and all(1 <= n <= 64 for n in seen)
