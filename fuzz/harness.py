@@ -296,11 +296,17 @@ class Harness:
         return f"transformers passes (error/tolerance {r.ratio:.3g})"
 
     def clear_caches(self) -> None:
-        """Forget cached references and oracle results (each bounded; tests measure memory)."""
+        """Forget cached references and oracle results, and the engine's process-wide caches
+        of graph traces and attention launch plans (each bounded; tests measure memory)."""
+        from engine import cpu_graph
+        from engine.attention import reference
+
         self.ref_cache.clear()
         for oracle in (self.solo, self.transformers):
             if oracle is not None:
                 oracle.results.clear()
+        cpu_graph.clear_templates()
+        reference.clear_plans()
 
     def close(self) -> None:
         self.pool.close()

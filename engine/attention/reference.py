@@ -158,6 +158,12 @@ CPU_PLANS_KEPT, CPU_PLANS_BYTES = 64, 8 << 20
 _cpu_plan_bytes = 0
 
 
+def clear_plans() -> None:
+    global _cpu_plan_bytes
+    _CPU_PLANS.clear()
+    _cpu_plan_bytes = 0
+
+
 def _plan_bytes(plan: LaunchPlan | None) -> int:
     return 0 if plan is None else sum(t.nbytes for p in (plan, *plan.rest)
                                       for t in (p.q_row, p.slots, p.blocked, p.dst))
