@@ -21,7 +21,7 @@ from collections import deque
 
 from engine.config import EngineConfig
 from engine.executor import ExecutorMessages, make_groups
-from engine.inproc_world import RankFailure
+from engine.inproc_world import RankFailure, land_scheduled_copies
 from engine.schedule import Schedule, ScheduleDriver
 from engine.weights import load_state_dict
 from engine.worker import Channel, Worker
@@ -126,9 +126,7 @@ class InlineExecutor(ExecutorMessages):
         while key not in self.results:
             # InProcWorld.run_until's decision point: copies land as the Schedule says, then
             # the rank runs if it can.
-            if not self.copier.land_immediately:
-                while self.copier.stream and self.sched.land_now() and self.copier.land_head():
-                    pass
+            land_scheduled_copies([self.copier], self.sched)
             if self.ended:
                 self._fail(RankFailure("exception", [0], f"the rank's loop ended while {what}"))
             if not self.chan.inbox:

@@ -21,6 +21,15 @@ from engine.parallel_state import GroupCoordinator
 from engine.schedule import Schedule, ScheduleDriver
 
 
+def land_scheduled_copies(copiers, sched: ScheduleDriver) -> None:
+    """A decision point: each rank's pending copies land, head first, while the Schedule says
+    so (engine.inline_executor makes the same decisions at the same points)."""
+    for c in copiers:
+        if c is not None and not c.land_immediately:
+            while c.stream and sched.land_now() and c.land_head():
+                pass
+
+
 class RankFailure(RuntimeError):
     """A rank raised, hung or deadlocked; `ranks` names them."""
 
@@ -153,10 +162,7 @@ class InProcWorld:
             self._fail(RankFailure("exception", [failed[0].rank], f"{type(exc).__name__}: {exc}"), exc)
 
     def _land_copies(self) -> None:
-        for c in self.copiers:
-            if c is not None and not c.land_immediately:
-                while c.stream and self.sched.land_now() and c.land_head():
-                    pass
+        land_scheduled_copies(self.copiers, self.sched)
 
     def _fail(self, err: RankFailure, cause: BaseException | None = None) -> None:
         self.broken = err

@@ -125,7 +125,7 @@ class Meter:
 
     def install(self) -> "Meter":
         from engine.scheduler import Scheduler
-        from fuzz.oracles.sequence import SequenceOracle, model_key
+        from fuzz.oracles.sequence import SequenceOracle
 
         for mod, cls, name, label in self.RANK_PHASES:
             self._wrap(mod, cls, name, label, time.thread_time)
@@ -141,7 +141,7 @@ class Meter:
             return so
 
         def counted_logits(oracle, cfg, prompt, forced):
-            if (model_key(cfg), prompt, forced) not in oracle.results:  # a cache hit runs no forward
+            if oracle.result_key(cfg, prompt, forced) not in oracle.results:  # a hit runs no forward
                 meter.tokens[len(prompt) + len(forced) - 1] += 1
             return request_logits(oracle, cfg, prompt, forced)
         Scheduler.schedule, SequenceOracle.request_logits = counted_schedule, counted_logits

@@ -56,9 +56,14 @@ class SequenceOracle(abc.ABC):
         self.models.move_to_end(key)
         return self.models[key]
 
+    @staticmethod
+    def result_key(cfg: EngineConfig, prompt: tuple[int, ...], forced: tuple[int, ...]) -> tuple:
+        """What a request's rows are cached under (a hit runs no forward)."""
+        return model_key(cfg), prompt, forced
+
     def request_logits(self, cfg: EngineConfig, prompt: tuple[int, ...], forced: tuple[int, ...]) -> torch.Tensor:
         """[len(forced), vocab]: row i is the distribution after prompt + forced[:i]."""
-        key = (model_key(cfg), prompt, forced)
+        key = self.result_key(cfg, prompt, forced)
         hit = self.results.get(key)
         if hit is not None:
             self.results.move_to_end(key)

@@ -297,6 +297,8 @@ class VLLMFuzzTarget(Target):
             self._checker.close()
 
 
+# The exception types vLLM's config checks raise to refuse a combination: such a start-up is an
+# unsupported config, counted and skipped, not a crash (`unsupported` also requires the frame).
 UNSUPPORTED_TYPES = ("ValueError", "NotImplementedError")
 
 

@@ -27,6 +27,7 @@ def script_env() -> dict:
 
 def test_nightly_script_end_to_end(tmp_path) -> None:
     if not shutil.which("llmfuzz", path=script_env()["PATH"]):
+        # The README install (pip install -e .) provides it; .ci/run always has it.
         pytest.skip("the llmfuzz console script is not installed (pip install -e .)")
     out = tmp_path / "nightly"
     proc = subprocess.run(
@@ -62,6 +63,7 @@ def test_gpu_script_without_cuda_is_an_error(tmp_path) -> None:
     import torch
 
     if torch.cuda.is_available():
+        # This test is about the refusal without CUDA; with CUDA, ci/gpu.sh is exercised for real on the H200.
         pytest.skip("this machine has CUDA: the GPU leg would run for real")
     proc = subprocess.run(["bash", str(ROOT / "ci" / "gpu.sh"), "--budget", "5", "--out", str(tmp_path / "g")],
                           capture_output=True, text=True, timeout=60, env=script_env())

@@ -13,9 +13,11 @@ from engine.attention.flash_attn_backend import probe
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
+    # A GPU test (marked gpu): CI has no GPU; the H200 runs it (bench/results/issue20_pytest_gpu_h200_fa4.json).
     pytest.skip("needs CUDA", allow_module_level=True)
 FOUND = probe()
 if FOUND is None:
+    # The flash-attn packages are optional (the gpu extra); the H200 run unpacks flash-attn-4.
     pytest.skip("needs flash-attn-4 (flash_attn.cute) or flash-attn", allow_module_level=True)
 
 from engine.attention.reference import varlen_attention  # noqa: E402
