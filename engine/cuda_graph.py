@@ -23,8 +23,7 @@ from typing import Callable
 
 import torch
 
-from engine import cpu_graph
-from engine.cpu_graph import CAPTURE_LOCK, CaptureSpec
+from engine.cpu_graph import CAPTURE_LOCK
 
 
 class CUDAGraphMode(enum.Enum):
@@ -76,12 +75,13 @@ class GraphStore:
         return len(self.graphs)
 
     def get_or_capture(self, desc: BatchDescriptor, fn: Callable, static_args: list,
-                       spec: CaptureSpec) -> Callable:
+                       capture_cpu: Callable[[], Callable]) -> Callable:
+        """The graph of `desc`, captured on first use: on a GPU `fn` on `static_args`, on the
+        CPU what `capture_cpu` makes (engine/cpu_graph.py)."""
         g = self.graphs.get(desc)
         if g is None:
             t0 = time.perf_counter()
-            g = self._capture_gpu(fn, static_args) if self.device.startswith("cuda") else \
-                cpu_graph.capture(fn, static_args, spec)
+            g = self._capture_gpu(fn, static_args) if self.device.startswith("cuda") else capture_cpu()
             self.capture_seconds += time.perf_counter() - t0
             self.graphs[desc] = g
         return g

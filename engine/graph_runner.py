@@ -16,7 +16,6 @@ import torch
 from engine.attention.fa_contract import check_varlen_args
 from engine.attention.metadata import AttentionMetadataBuilder, CommonAttentionMetadata, FACallRecord
 from engine.config import EngineConfig
-from engine.cpu_graph import CaptureSpec, tensor_slots
 from engine.cuda_graph import BatchDescriptor, GraphStore
 from engine.custom_ops import AttentionSink
 from engine.faults import CAPTURE_FAULTS, CAPTURE_METADATA_BAKED, GRAPH_STALE_MAX_SEQLEN, FaultSet
@@ -37,14 +36,15 @@ def check_before_replay(rec: FACallRecord) -> None:
 
 class CUDAGraphRunner:
     """One rank's captured graphs: which scalars each bakes, capture on first use, replay.
-    `forward(md, input_ids, positions, hidden, residual)` is the function graphs capture."""
+    `parts` is the model runner: a GPU graph captures its `_forward(md, input_ids, positions,
+    hidden, residual)` whole, a CPU capture its `forward_in`, layers and `forward_out`."""
 
     def __init__(self, cfg: EngineConfig, faults: FaultSet, model: LlamaForCausalLM, kv_caches: dict,
                  bufs: InputBuffers, builder: AttentionMetadataBuilder, sink: AttentionSink,
-                 forward: Callable, with_drafter: bool, sink_key: int,
+                 parts, with_drafter: bool, sink_key: int,
                  forward_scalars: Callable[[], tuple]) -> None:
         self.cfg, self.faults, self.model, self.kv_caches = cfg, faults, model, kv_caches
-        self.bufs, self.builder, self.sink, self.forward = bufs, builder, sink, forward
+        self.bufs, self.builder, self.sink, self.parts = bufs, builder, sink, parts
         self.with_drafter, self.sink_key = with_drafter, sink_key
         # Python values of the runner the forward reads (the attention scale): part of the
         # key a trace is shared under, since a trace bakes them.
@@ -77,9 +77,9 @@ class CUDAGraphRunner:
 
         def fn(qsl, sl, bt, sm, ids, pos, h, r):
             md = CommonAttentionMetadata(qsl, sl, bt, sm, R, T, max_q, max_k)
-            return self.forward(md, ids, pos, h, r)
+            return self.parts._forward(md, ids, pos, h, r)
 
-        graph = self._get_or_capture(desc, fn, bufs)
+        graph = self._get_or_capture(desc, fn, bufs, (R, T, max_q, max_k))
         if self.cfg.device.startswith("cuda") and self.sink.records is not None:
             # Host code inside the graph does not replay: record the host-side metadata, and
             # check it before the launch, since a replay with bad metadata can fault the
@@ -112,35 +112,65 @@ class CUDAGraphRunner:
             return pb.num_reqs  # docs/bug_classes.md#capture_metadata_baked
         return num_reqs
 
-    def _get_or_capture(self, desc: BatchDescriptor, fn: Callable, bufs: list) -> Callable:
+    def _get_or_capture(self, desc: BatchDescriptor, fn: Callable, bufs: list, md_args: tuple) -> Callable:
         records, self.sink.records = self.sink.records, None  # capture runs are not calls
         try:
-            spec = None
-            if desc not in self.graphs.graphs and not self.cfg.device.startswith("cuda"):
-                spec = self._capture_spec(desc)
-            return self.graphs.get_or_capture(desc, fn, bufs, spec)
+            return self.graphs.get_or_capture(desc, fn, bufs, lambda: self._capture_cpu(desc, bufs, md_args))
         finally:
             self.sink.records = records
 
-    def _capture_spec(self, desc: BatchDescriptor) -> CaptureSpec:
-        """The rank state a CPU capture reads, and the key of its code path: one trace
-        serves every rank and pooled engine whose forward reads the same Python values."""
-        m, g = self.model, self.model.g
-        live = [layer for layer in m.layers[m.start:m.end]]
-        slots = tuple(tensor_slots(m, *live, self.kv_caches))
-        roles = {self.sink_key: "sink", g.tp.op_key: "tp", g.pp.op_key: "pp", g.world.op_key: "world"}
-        # Config fields the forward never reads (its tensors are inputs, scheduling and
-        # capture policy happen outside it): engines differing only in them share traces.
+    def _capture_cpu(self, desc: BatchDescriptor, bufs: list, md_args: tuple) -> Callable:
+        """A CPU capture, part by part (engine/cpu_graph.py): what comes before the stage's
+        layers, each live layer, what comes after; the replay runs them in the forward's
+        order. Each part is a trace with the scalars of this capture baked in, and the layer
+        list is fixed here, as a CUDA graph fixes its kernels. A layer's trace is keyed by its
+        code path, not by its index or stage, so every layer of every stage, TP rank and
+        pooled engine with the same shapes, options and baked scalars replays one trace: a
+        pp8 capture traces one layer where it traced eight (tracing is ~90 % of a capture)."""
+        from engine import cpu_graph
+
+        p, m, g = self.parts, self.model, self.model.g
+        qsl, sl, bt, sm, ids, pos, h, r = bufs
+        roles = {"sink": self.sink_key, "tp": g.tp.op_key, "pp": g.pp.op_key, "world": g.world.op_key}
+        key = self._share_key(desc)
+        # Python scalars each part reads. The model's layer range is read by none of them
+        # (the layer loop is here), so the stages' `forward_in`/`forward_out` share traces too.
+        held_m = tuple(kv for kv in _scalars(m) if kv[0] not in ("start", "end", "run_end"))
+        model_slots = tuple(cpu_graph.tensor_slots(m))
+        first = cpu_graph.capture(p.forward_in, [ids, pos, h, r],
+                                  cpu_graph.CaptureSpec(model_slots, roles, key + ("in", held_m)))
+        hidden, residual, cos, sin = cpu_graph.output_examples(first)
+        md_bufs = [qsl, sl, bt, sm]
+        layers = []
+        for layer in m.live_layers():
+            # Positions are an input only to keep the layer's signature; a layer reads them
+            # through cos/sin.
+            def run_layer(qsl, sl, bt, sm, pos, h, r, cos, sin, layer=layer):
+                md = CommonAttentionMetadata(qsl, sl, bt, sm, *md_args)
+                return layer.forward(pos, h, r, cos, sin, p.attention(md))
+            held = tuple(kv for kv in _scalars(layer) if kv[0] != "idx")
+            spec = cpu_graph.CaptureSpec(tuple(cpu_graph.tensor_slots(layer)) + (cpu_graph.Slot(self.kv_caches, layer.idx),),
+                                         {**roles, "layer": layer.idx}, key + ("layer", held, residual is None))
+            layers.append(cpu_graph.capture(run_layer, md_bufs + [pos, hidden, residual, cos, sin], spec))
+            hidden, residual = cpu_graph.output_examples(layers[-1])
+        last = cpu_graph.capture(p.forward_out, [hidden, residual],
+                                 cpu_graph.CaptureSpec(model_slots, roles, key + ("out", held_m, self.with_drafter)))
+
+        def replay(qsl, sl, bt, sm, ids, pos, h, r):
+            hidden, residual, cos, sin = first(ids, pos, h, r)
+            for layer in layers:
+                hidden, residual = layer(qsl, sl, bt, sm, pos, hidden, residual, cos, sin)
+            return last(hidden, residual)
+        return replay
+
+    def _share_key(self, desc: BatchDescriptor) -> tuple:
+        """What every part of a capture bakes: config fields the forward reads (its tensors
+        are inputs; scheduling and capture policy happen outside it, so engines differing
+        only in those share traces), the padded shape, the baked metadata scalars, the
+        faults and the runner's own Python values (the attention scale)."""
         forward_cfg = tuple((f.name, getattr(self.cfg, f.name)) for f in fields(self.cfg)
                             if f.name not in NOT_READ_BY_FORWARD)
-        # And every Python scalar the model and its layers hold (layer range, head counts).
-        # The rank's TP coordinates are tensors the forward reads (LlamaForCausalLM), so the
-        # TP ranks of a stage share one trace.
-        held = tuple((k, v) for o in (m, *live) for k, v in vars(o).items()
-                     if isinstance(v, (int, float, str, torch.dtype)))
-        key = (forward_cfg, held, self.with_drafter,
-               desc, self._baked[desc], self.faults.names, self.forward_scalars())
-        return CaptureSpec(slots, roles, key)
+        return (forward_cfg, desc, self._baked[desc], self.faults.names, self.forward_scalars())
 
     def _record_host(self, pb: PreparedBatch, baked, T: int, R: int) -> None:
         from engine.custom_ops import _record
@@ -154,3 +184,8 @@ class CUDAGraphRunner:
             self.sink.records.append(_record(
                 self.sink, layer, q, k_cache, b.query_start_loc.gpu[:R + 1], b.seq_lens.gpu[:R],
                 b.block_table[:R], b.slot_mapping.gpu[:T], baked[0], baked[1]))
+
+
+def _scalars(obj) -> tuple:
+    """The Python scalars an object holds (a trace bakes those it reads)."""
+    return tuple((k, v) for k, v in vars(obj).items() if isinstance(v, (int, float, str, torch.dtype)))

@@ -208,6 +208,18 @@ class LlamaForCausalLM:
                 return_hidden_states: bool = False):
         """Last stage: normed hidden states, or with `return_hidden_states` the pair (normed,
         pre-norm) -- the pre-norm ones feed an EAGLE draft head (engine/eagle.py)."""
+        hidden, residual, cos, sin = self.forward_in(input_ids, positions, intermediate)
+        for layer in self.live_layers():
+            hidden, residual = layer.forward(positions, hidden, residual, cos, sin, attn)
+        return self.forward_out(hidden, residual, return_hidden_states)
+
+    def live_layers(self) -> list[LlamaLayer]:
+        return self.layers[self.start:self.run_end]
+
+    def forward_in(self, input_ids, positions, intermediate: IntermediateTensors | None):
+        """What comes before the stage's layers: (hidden, residual, cos, sin); residual is
+        None on the first stage. (The three parts of `forward` are also captured one by one:
+        engine/graph_runner.py.)"""
         cos, sin = self.rope(positions)
         if self.is_first:
             hidden, residual = self.embed_tokens(input_ids), None
@@ -217,8 +229,11 @@ class LlamaForCausalLM:
             hidden, residual = intermediate.hidden_states, intermediate.residual
             if self.cfg.sequence_parallel:  # hidden crosses stages whole, residual scattered
                 hidden = self.scatter_seq(hidden)
-        for layer in self.layers[self.start:self.run_end]:
-            hidden, residual = layer.forward(positions, hidden, residual, cos, sin, attn)
+        return hidden, residual, cos, sin
+
+    def forward_out(self, hidden, residual, return_hidden_states: bool = False):
+        """What comes after the stage's layers: IntermediateTensors, or on the last stage the
+        normed hidden states (and the pre-norm ones, see `forward`)."""
         if not self.is_last:
             if self.cfg.sequence_parallel:
                 hidden = tp_all_gather(self.g.tp, hidden, 0)

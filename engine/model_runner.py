@@ -70,7 +70,7 @@ class GPUModelRunner:
         self.inputs = InputPreparer(cfg, faults, copier, self.bufs, m.is_last, self.drafter is not None)
         self.pp = PPStage(cfg, groups, faults, copier, T, m.is_last)
         self.graph_runner = CUDAGraphRunner(cfg, faults, m, self.kv_caches, self.bufs, self.builder,
-                                            self.sink, self._forward, self.drafter is not None,
+                                            self.sink, self, self.drafter is not None,
                                             self.sink_key, lambda: (self.scale,))
         self.graphs = self.graph_runner.graphs
         self.faults = faults
@@ -107,11 +107,25 @@ class GPUModelRunner:
         return self.inputs.prepare(so)
 
     def _forward(self, md: CommonAttentionMetadata, input_ids, positions, hidden, residual):
-        """The model on the static buffers: the function eager mode calls and graphs capture."""
+        """The model on the static buffers: the function eager mode calls and a GPU graph
+        captures. A CPU capture traces its parts one by one (engine/graph_runner.py), so the
+        layers of every stage share one trace: `forward_in`, each live layer, `forward_out`."""
+        hidden, residual, cos, sin = self.forward_in(input_ids, positions, hidden, residual)
+        attn = self.attention(md)
+        for layer in self.model.live_layers():
+            hidden, residual = layer.forward(positions, hidden, residual, cos, sin, attn)
+        return self.forward_out(hidden, residual)
+
+    def forward_in(self, input_ids, positions, hidden, residual):
         m = self.model
-        attn = AttentionContext(md, self.kv_caches, self.scale, self.sink_key)
-        inter = None if m.is_first else IntermediateTensors(hidden, residual)
-        out = m.forward(input_ids, positions, inter, attn, return_hidden_states=self.drafter is not None)
+        return m.forward_in(input_ids, positions, None if m.is_first else IntermediateTensors(hidden, residual))
+
+    def attention(self, md: CommonAttentionMetadata) -> AttentionContext:
+        return AttentionContext(md, self.kv_caches, self.scale, self.sink_key)
+
+    def forward_out(self, hidden, residual):
+        m = self.model
+        out = m.forward_out(hidden, residual, return_hidden_states=self.drafter is not None)
         return (out.hidden_states, out.residual) if not m.is_last else out
 
     def execute(self, pb: PreparedBatch) -> ModelRunnerOutput | None:

@@ -90,7 +90,8 @@ def test_a_python_value_changed_after_capture_does_not_reach_the_replay():
 
 def test_tp_ranks_and_pooled_engines_share_one_trace_per_code_path():
     """Tracing is the cost of a CPU capture: the TP ranks of a stage, and a second engine that
-    differs only in what the forward does not read (KV blocks, token budget), reuse it."""
+    differs only in what the forward does not read (KV blocks, token budget), reuse it. A
+    capture is traced part by part, and the layers after the first share one trace."""
     from engine import cpu_graph
 
     cpu_graph.clear_templates()
@@ -102,8 +103,35 @@ def test_tp_ranks_and_pooled_engines_share_one_trace_per_code_path():
             run(eng, [("a", [1, 2, 3], 2, 0)])
         finally:
             eng.shutdown()
-    assert cpu_graph.STATS["traces"] - before["traces"] == 1  # one trace, 4 captures
-    assert cpu_graph.STATS["shared"] - before["shared"] == 3
+    # 4 captures (2 engines x 2 TP ranks) of 10 parts: before the layers, the first layer
+    # (no residual yet), the 7 others, after the layers. Traced: 4 parts, once.
+    assert cpu_graph.STATS["traces"] - before["traces"] == 4
+    assert cpu_graph.STATS["shared"] - before["shared"] == 4 * 10 - 4
+
+
+def test_pipeline_stages_share_their_layers_trace():
+    """A layer's trace does not depend on its index or stage: pp8 traces the first stage's
+    layer (no residual yet) and one layer for the seven others, where a whole-stage trace
+    per stage traced eight; and the replay is bitwise the eager forward."""
+    from engine import cpu_graph
+
+    cpu_graph.clear_templates()
+    cfg = BASE.replace(layout="tp1pp8", cudagraph_mode="FULL", capture_sizes=(8,))
+    before = dict(cpu_graph.STATS)
+    graph, eager = LLMEngine(cfg), LLMEngine(cfg.replace(cudagraph_mode="NONE", capture_sizes=()))
+    try:
+        reqs = [("a", [1, 2, 3], 3, 0), ("b", [4, 5], 2, 1)]
+        g, e = run(graph, reqs), run(eager, reqs)
+    finally:
+        graph.shutdown()
+        eager.shutdown()
+    # Layers: 2 traces. Before and after the layers: the first stage, the middle six (one
+    # trace each), the last stage (is_first and is_last are read there).
+    assert cpu_graph.STATS["traces"] - before["traces"] == 2 + 3 + 3
+    assert cpu_graph.STATS["shared"] - before["shared"] == 8 * 3 - 8
+    for rid in ("a", "b"):
+        for x, y in zip(g.tokens[rid], e.tokens[rid]):
+            assert torch.equal(x.logits, y.logits), f"{rid} step {x.step}: the replay differs from eager"
 
 
 def test_padding_follows_vllm_rules():
