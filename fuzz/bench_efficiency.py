@@ -91,7 +91,7 @@ class Meter:
 
     RANK_PHASES = (("engine.model_runner", "GPUModelRunner", "prepare", "host_prepare"),
                    ("engine.model_runner", "GPUModelRunner", "execute", "execute"),
-                   ("engine.model", "LlamaForCausalLM", "forward", "forward"),
+                   ("engine.model_runner", "GPUModelRunner", "_forward", "forward"),  # eager
                    ("engine.custom_ops", None, "varlen_attention", "attention"),
                    ("engine.custom_ops", None, "reshape_and_cache", "kv_write"),
                    ("engine.custom_ops", None, "_record", "fa_record"),

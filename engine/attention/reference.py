@@ -133,20 +133,26 @@ def _split_by_width(plan: LaunchPlan, need: torch.Tensor) -> LaunchPlan:
 
 class PlanCache:
     """The last launch plan and the metadata it was made from. A forward's layers hand the
-    kernel the same buffers and scalars, so the plan is made once per forward; the key holds
-    each buffer's version counter, so any write to the metadata makes a new plan."""
+    kernel the same buffers and scalars, so the plan is made once per forward. It is reused
+    only for the same tensor objects (held here, so none is freed and its address reused),
+    unwritten since (their version counters) and the same scalars."""
 
-    __slots__ = ("key", "plan")
+    __slots__ = ("tensors", "key", "plan")
 
     def __init__(self) -> None:
-        self.key, self.plan = None, None
+        self.clear()
 
     def clear(self) -> None:
-        self.key, self.plan = None, None
+        self.tensors, self.key, self.plan = (), None, None
 
+    def get(self, tensors: tuple, scalars: tuple):
+        if len(tensors) == len(self.tensors) and all(a is b for a, b in zip(tensors, self.tensors)) \
+                and self.key == (tuple(t._version for t in tensors), scalars):
+            return True, self.plan
+        return False, None
 
-def _tensor_key(t: torch.Tensor) -> tuple:
-    return t.data_ptr(), t._version, tuple(t.shape), tuple(t.stride()), t.dtype
+    def put(self, tensors: tuple, scalars: tuple, plan) -> None:
+        self.tensors, self.key, self.plan = tensors, (tuple(t._version for t in tensors), scalars), plan
 
 
 # Plans by their metadata's content, on the CPU: the TP ranks of a stage, a Case's reference
@@ -175,26 +181,31 @@ def plan_launch(cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k
     plans made for the same metadata content; elsewhere from `plans` when it holds one made
     from the same buffers, unwritten since (a GPU's buffers are not read from the host)."""
     scalars = (int(max_seqlen_q), int(max_seqlen_k), T, block_size, causal, tile_q, key_len_pad)
+    tensors = (cu_seqlens_q, seqused_k, block_table)
+    if plans is not None:  # the forward's earlier layers: the same buffers, unwritten since
+        hit, plan = plans.get(tensors, scalars)
+        if hit:
+            return plan
     if _host_readable(cu_seqlens_q):
-        B = max(cu_seqlens_q.shape[0] - 1, 0)
-        key = (_content(cu_seqlens_q), _content(seqused_k[:B]), _content(block_table[:B])) + scalars
-        if key in _CPU_PLANS:
-            _CPU_PLANS.move_to_end(key)
-            return _CPU_PLANS[key]
-        global _cpu_plan_bytes
-        plan = _CPU_PLANS[key] = _make_plan(cu_seqlens_q, seqused_k, block_table, *scalars, host=True)
-        _cpu_plan_bytes += _plan_bytes(plan)
-        while len(_CPU_PLANS) > 1 and (len(_CPU_PLANS) > CPU_PLANS_KEPT or _cpu_plan_bytes > CPU_PLANS_BYTES):
-            _cpu_plan_bytes -= _plan_bytes(_CPU_PLANS.popitem(last=False)[1])
-        return plan
-    key = None
+        plan = _cpu_plan(cu_seqlens_q, seqused_k, block_table, scalars)
+    else:
+        plan = _make_plan(cu_seqlens_q, seqused_k, block_table, *scalars)
     if plans is not None:
-        key = (_tensor_key(cu_seqlens_q), _tensor_key(seqused_k), _tensor_key(block_table)) + scalars
-        if plans.key == key:
-            return plans.plan
-    plan = _make_plan(cu_seqlens_q, seqused_k, block_table, *scalars)
-    if plans is not None:
-        plans.key, plans.plan = key, plan
+        plans.put(tensors, scalars, plan)
+    return plan
+
+
+def _cpu_plan(cu_seqlens_q, seqused_k, block_table, scalars: tuple) -> LaunchPlan | None:
+    global _cpu_plan_bytes
+    B = max(cu_seqlens_q.shape[0] - 1, 0)
+    key = (_content(cu_seqlens_q), _content(seqused_k[:B]), _content(block_table[:B])) + scalars
+    if key in _CPU_PLANS:
+        _CPU_PLANS.move_to_end(key)
+        return _CPU_PLANS[key]
+    plan = _CPU_PLANS[key] = _make_plan(cu_seqlens_q, seqused_k, block_table, *scalars, host=True)
+    _cpu_plan_bytes += _plan_bytes(plan)
+    while len(_CPU_PLANS) > 1 and (len(_CPU_PLANS) > CPU_PLANS_KEPT or _cpu_plan_bytes > CPU_PLANS_BYTES):
+        _cpu_plan_bytes -= _plan_bytes(_CPU_PLANS.popitem(last=False)[1])
     return plan
 
 
@@ -223,10 +234,12 @@ def _make_plan(cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
     if key_len_pad and host:
         # Keys past every sequence's seqused_k are masked, and a masked key changes no bit of
         # a row's result (test_reference_attention: any work width gives the same bits), so
-        # the CPU's work stops at the batch's longest sequence, not at max_model_len. (A GPU
-        # plan cannot read seqused_k from the host.)
+        # the CPU's work stops at the batch's longest sequence, not at max_model_len, nor at
+        # a graph's baked max_seqlen_k (max_model_len too: it cost a replay 4x the key work).
+        # (A GPU plan cannot read seqused_k from the host.) Only a seqused_k past the pad,
+        # which no valid batch has, keeps the whole width.
         longest = -(-int(k_lens.max()) // 16) * 16
-        Lk = max(int(max_seqlen_k), min(key_len_pad, longest))
+        Lk = max(longest, 1) if longest <= key_len_pad else max(int(max_seqlen_k), key_len_pad)
 
     # Launched pairs: row j < min(q_len, rows) of each sequence. On the host only those are
     # computed; on a GPU every (sequence, j < Lq) pair is, the rest written to the trash row
