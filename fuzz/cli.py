@@ -67,7 +67,7 @@ def cmd_run(args) -> int:
     profile = _load_profile(args.profile)
     oracles = _oracles(args)
     poison, _ = _poison(args), _shrink_budget(args)  # bad input is found before any worker starts
-    jobs = jobs or default_jobs(base.device, len(layouts))
+    jobs = jobs or default_jobs(base.device, layouts, args.world)
     if jobs > 1:  # fuzz/jobs.py
         return run_jobs(args, jobs, layouts, bases, modes)
     target = _kernel_cells(bases, layouts, modes, args, oracles)
@@ -234,7 +234,9 @@ def _add_run_parser(sub, parents: list[argparse.ArgumentParser]) -> None:
     r.add_argument("--json", action="store_true", help="print the summary as JSON")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
     r.add_argument("--jobs", default=None, help="worker processes, each fuzzing its share of the layouts "
-                   "(default: the cores available, on CUDA the GPUs, at most one per layout; 1: in this process)")
+                   "(default: the cores available, counting --world torch's rank processes, at most one per "
+                   "layout; on CUDA the GPUs are shared, as many workers on each as its free memory holds; "
+                   "1: in this process)")
     r.add_argument("--worker-plan", default=None, help=argparse.SUPPRESS)  # a --jobs worker (fuzz/jobs_worker.py)
     r.add_argument("--target", default="reference",
                    help="engine to fuzz: reference (default: our engine, white-box) or vllm (a real vLLM, docs/vllm.md)")

@@ -56,16 +56,117 @@ def parse_jobs(args) -> int | None:
     return n
 
 
-def default_jobs(device: str, units: int) -> int:
-    """The cores this process may run on (CUDA: the GPUs), at most one worker per layout: a
-    layout shared between workers is an explicit --jobs (a single-layout run stays as it was)."""
-    if device == "cpu":
-        n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    elif device == "cuda":
-        n = len(_gpus())
-    else:  # one GPU named (cuda:1): its workers would share it
-        n = 1
-    return max(1, min(n, units))
+# Per-worker GPU memory allowance of the CUDA default: a GPU takes at most its free memory over
+# this many workers. On CUDA a worker's Harness lives in a child of its own (fuzz/isolated.py)
+# and that child is the worker's one CUDA process: a context (~0.5 GiB bare, ~0.8 GiB once
+# kernels ran) plus its engines, up to 16 kept (pool_capacity), each with its KV cache and, in
+# graph mode, CUDA graph pools, and what the caching allocator keeps. It grows as a campaign
+# meets new configs. Measured (an H200, 16 cores, the default --device cuda campaign: 12
+# workers of one layout each, bf16, torch_flash): after 90 s 1.6-10.0 GiB a worker, after
+# 430 s 2.2 GiB (tp1pp1) to 18.6 GiB (tp1pp8), 8.1 GiB on average, 97 GiB in all, still
+# growing by about 2 GiB a minute in all. Workers of several layouts hold more engines. 16 GiB
+# is that average with room for an hour's growth and for a GPU dealt more heavy layouts than
+# light: running out would turn memory into false crash findings, while a worker less costs
+# only speed (an H200 takes 8, an 80 GB H100 4).
+WORKER_GPU_BYTES = 16 << 30
+# With --world torch each rank is a process of its own with a CUDA context (DistExecutor),
+# on top of what the in-process world's one process holds: the measured context, rounded up.
+CUDA_CONTEXT_BYTES = 1 << 30
+
+
+def cpu_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def layout_ranks(layout: str) -> int:
+    """Ranks of a layout: tp * pp."""
+    tp, pp = (int(x) for x in re.fullmatch(r"tp(\d+)pp(\d+)", layout).groups())
+    return tp * pp
+
+
+def busy_processes(parts: list[dict], world: str) -> int:
+    """Processes computing at once in the workers `parts` (partition's): one per worker in the
+    in-process world (rank threads under one GIL); with --world torch each worker's ranks are
+    processes of a core each (DistExecutor: one intra-op thread a rank), and a worker runs one
+    layout at a time (its chunks round robin; the ranks of its other layouts block on their
+    pipes), so a worker counts its largest layout's tp * pp."""
+    if world != "torch":
+        return len(parts)
+    return sum(max(layout_ranks(x) for x in p["layouts"]) for p in parts)
+
+
+def cpu_jobs(cores: int, layouts: list[str], world: str = "inproc") -> int:
+    """The most workers, at most one per layout, whose busy processes fit in `cores`; 1 if
+    none do (a campaign runs in this process, as --jobs 1). With --world torch this counts the
+    workers' rank processes over the layouts as partition() deals them, not `workers * the
+    largest tp*pp`: a worker without a tp8 layout takes fewer cores (8 cores, tp1pp1,tp2pp1,
+    tp4pp1: 3 workers, 7 ranks, where cores // 4 would give 2)."""
+    for n in range(min(cores, len(layouts)), 1, -1):
+        if busy_processes(partition(layouts, n), world) <= cores:
+            return n
+    return 1
+
+
+def gpu_jobs(cores: int, free_bytes: list[int], units: int, per_worker: int = WORKER_GPU_BYTES) -> int:
+    """Workers of a CUDA campaign: GPUs are shared (the tiny model leaves them nearly idle and
+    a worker is CPU-bound Python), so as many as `cores` workers (cpu_jobs's answer), at most
+    one per layout (`units`), and on each GPU at most its free memory over `per_worker`; 1 at
+    least (one process always runs)."""
+    by_memory = sum(max(0, f) // per_worker for f in free_bytes)
+    return max(1, min(cores, units, by_memory))
+
+
+def deal_gpus(n: int, free_bytes: list[int], per_worker: int = WORKER_GPU_BYTES) -> list[int]:
+    """Each of `n` workers' GPU (an index into `free_bytes`): round robin, skipping a GPU its
+    free memory holds no more workers on; once none holds more (an explicit --jobs past the
+    memory), plain round robin."""
+    room = [max(0, f) // per_worker for f in free_bytes]
+    out, g = [], 0
+    for _ in range(n):
+        if any(room):
+            while not room[g % len(room)]:
+                g += 1
+            room[g % len(room)] -= 1
+        out.append(g % len(room))
+        g += 1
+    return out
+
+
+def worker_gpu_bytes(layouts: list[str], world: str) -> int:
+    """A worker's GPU allowance: WORKER_GPU_BYTES, and with --world torch a context for each
+    rank process of its largest layout."""
+    return WORKER_GPU_BYTES + (CUDA_CONTEXT_BYTES * max(map(layout_ranks, layouts)) if world == "torch" else 0)
+
+
+def default_jobs(device: str, layouts: list[str], world: str = "inproc") -> int:
+    """Workers when --jobs is not given, at most one per layout (a layout shared between
+    workers is an explicit --jobs: a single-layout run stays as it was). CPU: the cores this
+    process may run on, counting rank processes with --world torch (cpu_jobs). CUDA (every
+    visible GPU, or the one named by cuda:N): that, and per GPU as many as its free memory
+    holds (gpu_jobs)."""
+    n = cpu_jobs(cpu_cores(), layouts, world)
+    if device == "cpu" or n == 1:  # n == 1: no GPU to share, and CUDA stays untouched here
+        return n
+    return gpu_jobs(n, gpu_free_bytes(device), len(layouts), worker_gpu_bytes(layouts, world))
+
+
+_FREE: dict[str, list[int]] = {}
+
+
+def gpu_free_bytes(device: str) -> list[int]:
+    """Free memory of each GPU the workers go on ("cuda": every visible one, in _gpus() order;
+    "cuda:N": that one), measured once per process (default_jobs and run_jobs see the same).
+    torch.cuda.mem_get_info creates a CUDA context on each GPU in this process (518 MiB on an
+    H200, kept until exit; the figures exclude it). That is no harm to the workers: they are fresh
+    interpreters started with Popen (exec, no fork of this process), and so are --world
+    torch's ranks (forkserver or spawn) and the isolated Harness child of a --jobs 1 run."""
+    if device not in _FREE:
+        import torch
+
+        idx = [int(device.split(":")[1])] if ":" in device else range(torch.cuda.device_count())
+        _FREE[device] = [torch.cuda.mem_get_info(i)[0] for i in idx]
+    return _FREE[device]
 
 
 def _gpus() -> list[str]:
@@ -74,6 +175,19 @@ def _gpus() -> list[str]:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     ids = [g.strip() for g in visible.split(",") if g.strip()] if visible else []
     return ids or [str(i) for i in range(torch.cuda.device_count())]
+
+
+def oversubscribed(jobs: int, layouts: list[str], world: str, cores: int) -> str | None:
+    """The warning for an explicit --jobs whose --world torch rank processes outnumber the
+    cores (the run goes ahead as asked), else None."""
+    if world != "torch" or jobs < 2:
+        return None
+    busy = busy_processes(partition(layouts, jobs), world)
+    if busy <= cores:
+        return None
+    return (f"llmfuzz: warning: --jobs {jobs} with --world torch runs up to {busy} rank processes at once "
+            f"on {cores} cores: oversubscribed (without --jobs, counting ranks: {cpu_jobs(cores, layouts, world)} "
+            f"workers)")
 
 
 def layout_cost(layout: str) -> float:
@@ -170,8 +284,18 @@ def run_jobs(args, jobs: int, layouts: list[str], bases: list, modes: list[str])
     shrink_s = args.shrink_budget if args.shrink_budget is not None else max(60.0, args.budget / 4)
     plan = {"args": plan_args(args), "cells_total": len(layouts) * len(bases), "run_dir": run_dir,
             "progress": progress, "parent_pid": os.getpid()}
-    gpus = _gpus() if args.device == "cuda" else []  # "cuda:N": every worker on the GPU named
-    sys.stderr.write(f"llmfuzz: {len(parts)} workers: "
+    gpus, on = [], ""  # each worker's CUDA_VISIBLE_DEVICES; "cuda:N": none, all on the GPU named
+    if args.device == "cuda":
+        ids = _gpus()
+        gpus = [ids[g] for g in deal_gpus(len(parts), gpu_free_bytes("cuda"), worker_gpu_bytes(layouts, args.world))]
+        on = " on " + ", ".join(f"GPU {g} ×{gpus.count(g)}" for g in dict.fromkeys(gpus))
+    elif args.device != "cpu":
+        on = f" on {args.device} ×{len(parts)}"
+    if args.jobs is not None:  # an explicit --jobs: obeyed, but oversubscribing ranks is said once
+        warning = oversubscribed(jobs, layouts, args.world, cpu_cores())
+        if warning:
+            sys.stderr.write(warning + "\n")
+    sys.stderr.write(f"llmfuzz: {len(parts)} workers{on}: "
                      + "; ".join(f"w{i} {','.join(p['layouts'])}" + (f" (chunks {p['stream']} mod {p['streams']})"
                                                                      if p["streams"] > 1 else "")
                                  for i, p in enumerate(parts)) + "\n")

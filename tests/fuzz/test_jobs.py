@@ -18,7 +18,9 @@ import pytest
 
 from fuzz.campaign import Campaign
 from fuzz.cli import main
-from fuzz.jobs import partition
+from fuzz import jobs as jobs_mod
+from fuzz.jobs import (CUDA_CONTEXT_BYTES, WORKER_GPU_BYTES, busy_processes, cpu_jobs, deal_gpus, default_jobs,
+                       gpu_jobs, oversubscribed, partition)
 from fuzz.jobs_worker import Share, merge_reports, summary_doc
 from fuzz.properties import LogitsMismatch
 from fuzz.recorder import Claims, Recorder
@@ -199,6 +201,119 @@ def test_partition_balances_cost_and_shares_the_costliest() -> None:
         ss = sorted(p["stream"] for p in sixteen if p["layouts"] == [lay])
         assert ss == list(range(len(ss)))
     assert partition(lays, 4) == four  # deterministic
+
+
+GIB = 1 << 30
+
+
+def test_gpu_jobs_shares_a_gpu_bound_by_cores_memory_and_layouts() -> None:
+    per = 4 * GIB
+    assert gpu_jobs(16, [140 * GIB], 12, per) == 12  # one GPU, 12 workers on it: shared
+    assert gpu_jobs(4, [140 * GIB], 12, per) == 4  # the cores bound
+    assert gpu_jobs(16, [140 * GIB], 3, per) == 3  # the layouts bound (one worker per layout)
+    assert gpu_jobs(16, [10 * GIB], 12, per) == 2  # the memory bound: 10 GiB holds two 4 GiB workers
+    assert gpu_jobs(16, [10 * GIB, 9 * GIB - 1], 12, per) == 4  # per GPU, summed: 2 + 2 (1 GiB short of 3)
+    assert gpu_jobs(16, [10 * GIB], 12, per_worker=GIB) == 10
+    assert gpu_jobs(16, [GIB, 0], 12, per) == gpu_jobs(16, [], 12, per) == gpu_jobs(0, [140 * GIB], 12, per) == 1
+    # The default allowance: an H200's free memory holds 8 workers of this tiny model, an 80 GB H100's 4.
+    assert gpu_jobs(16, [139 * GIB], 12) == 8 and gpu_jobs(16, [78 * GIB], 12) == 4
+
+
+def test_deal_gpus_round_robin_within_each_gpus_memory() -> None:
+    per = 4 * GIB
+    assert deal_gpus(4, [80 * GIB, 80 * GIB], per) == [0, 1, 0, 1]  # equal GPUs: round robin, as before
+    # GPU 1 holds one worker: the rest go round robin over the GPUs with room.
+    d = deal_gpus(5, [80 * GIB, 5 * GIB, 80 * GIB], per)
+    assert d == [0, 1, 2, 0, 2] and d.count(1) == 1
+    # Past the memory (an explicit --jobs): every worker still gets a GPU, round robin.
+    assert sorted(deal_gpus(6, [8 * GIB, 4 * GIB], per)) == [0, 0, 0, 1, 1, 1]
+    assert deal_gpus(3, [0], per) == [0, 0, 0]
+
+
+def test_cpu_jobs_counts_torch_world_rank_processes() -> None:
+    from fuzz.strategies import CAMPAIGN_ORDER
+
+    lays = list(CAMPAIGN_ORDER)
+    assert cpu_jobs(16, lays) == 12 and cpu_jobs(4, lays) == 4  # in-process: a core per worker
+    assert cpu_jobs(16, lays, "torch") == 2  # every campaign layout: a tp8 (8 ranks) in each worker
+    assert cpu_jobs(8, lays, "torch") == 1 and cpu_jobs(2, ["tp8pp1"], "torch") == 1  # at least 1
+    assert cpu_jobs(8, ["tp1pp1", "tp2pp1", "tp4pp1"], "torch") == 3  # 1 + 2 + 4 ranks <= 8 cores
+    assert cpu_jobs(6, ["tp1pp1", "tp2pp1", "tp4pp1"], "torch") == 2  # w0 tp4pp1, w1 tp1pp1,tp2pp1: 4 + 2
+    for cores in (1, 2, 3, 5, 8, 13, 16, 24, 32, 64, 128):  # fits, and one more worker would not
+        n = cpu_jobs(cores, lays, "torch")
+        assert n == 1 or busy_processes(partition(lays, n), "torch") <= cores
+        assert n == len(lays) or busy_processes(partition(lays, n + 1), "torch") > cores
+
+
+def test_default_jobs_shares_gpus_by_memory_and_counts_ranks(monkeypatch) -> None:
+    from fuzz.strategies import CAMPAIGN_ORDER
+
+    lays, per = list(CAMPAIGN_ORDER), WORKER_GPU_BYTES
+    asked: list[str] = []
+    free = {"cuda": [20 * per, per + per // 2], "cuda:1": [per + per // 2]}
+    monkeypatch.setattr(jobs_mod, "gpu_free_bytes", lambda device: asked.append(device) or free[device])
+    monkeypatch.setattr(jobs_mod, "cpu_cores", lambda: 16)
+    assert default_jobs("cpu", lays) == 12 and default_jobs("cpu", lays, "torch") == 2 and asked == []
+    assert default_jobs("cuda", lays) == 12 and asked == ["cuda"]  # 12 on 2 GPUs (20 + 1 fit)
+    assert default_jobs("cuda", lays[:3]) == 3
+    free["cuda"] = [3 * per, per - 1]
+    assert default_jobs("cuda", lays) == 3  # memory: 3 on the first GPU, none on the second
+    assert default_jobs("cuda:1", lays) == 1  # the GPU named holds one worker
+    free["cuda:1"] = [10 * per]
+    assert default_jobs("cuda:1", lays) == 10
+    # --world torch on CUDA: the cores count ranks, and each rank process adds a CUDA context.
+    free["cuda"] = [100 * per]
+    assert default_jobs("cuda", lays, "torch") == 2  # 16 cores: a tp8 layout's 8 ranks in each worker
+    free["cuda"] = [2 * per + 4 * CUDA_CONTEXT_BYTES]
+    assert default_jobs("cuda", ["tp1pp1", "tp2pp1"], "torch") == 2  # two workers of two ranks fit
+    free["cuda"][0] -= 1
+    assert default_jobs("cuda", ["tp1pp1", "tp2pp1"], "torch") == 1
+    monkeypatch.setattr(jobs_mod, "cpu_cores", lambda: 1)
+    asked.clear()
+    assert default_jobs("cuda", lays) == 1 and asked == []  # one worker: CUDA left untouched
+
+
+def test_oversubscribed_names_an_explicit_jobs_past_the_cores() -> None:
+    lays = ["tp1pp1", "tp2pp1", "tp4pp1"]
+    assert oversubscribed(3, lays, "inproc", 2) is None  # threads: no rank processes
+    assert oversubscribed(3, lays, "torch", 7) is None  # 1 + 2 + 4 ranks fit
+    assert oversubscribed(1, ["tp8pp1"], "torch", 2) is None  # --jobs 1: the campaign as it always ran
+    w = oversubscribed(3, lays, "torch", 6)
+    assert w is not None and "\n" not in w and w.startswith("llmfuzz: warning: --jobs 3")
+    assert "--world torch" in w and "7 rank processes" in w and "6 cores" in w and "oversubscribed" in w
+    assert "2 workers" in w  # what the default would run here
+
+
+def test_explicit_torch_jobs_past_the_cores_warns_once(monkeypatch, capsys, tmp_path) -> None:
+    """run_jobs obeys --jobs as given and says the oversubscription in one stderr line."""
+    from fuzz.cli import build_parser
+
+    class Spawned(Exception):
+        pass
+
+    def spawn(*a, **k):
+        raise Spawned
+
+    monkeypatch.setattr(jobs_mod, "_spawn", spawn)
+    monkeypatch.setattr(jobs_mod, "cpu_cores", lambda: 2)
+    monkeypatch.setattr(jobs_mod.tempfile, "mkdtemp", lambda prefix: str(tmp_path))
+    lays = ["tp1pp1", "tp2pp1", "tp4pp1"]
+    for argv, warned in (([], False), (["--jobs", "3"], True), (["--world", "inproc", "--jobs", "3"], False)):
+        args = build_parser().parse_args(["run", "--world", "torch", *argv])
+        with pytest.raises(Spawned):
+            jobs_mod.run_jobs(args, 3, lays, [SimpleNamespace(device="cpu")], ["eager"])
+        err = capsys.readouterr().err.splitlines()
+        assert sum("oversubscribed" in x for x in err) == warned, err
+        assert err[-1].startswith("llmfuzz: 3 workers: w0 "), err
+
+
+def test_the_cli_passes_layouts_and_world_to_the_default(monkeypatch, tmp_path) -> None:
+    seen = []
+    monkeypatch.setattr(jobs_mod, "default_jobs", lambda *a: seen.append(a) or 2)
+    monkeypatch.setattr(jobs_mod, "run_jobs", lambda args, jobs, layouts, bases, modes: seen.append(jobs) or 0)
+    assert main(["run", "--world", "torch", "--layouts", "tp1pp1,tp2pp1", "--budget", "1",
+                 "--out", str(tmp_path / "out")]) == 0
+    assert seen == [("cpu", ["tp1pp1", "tp2pp1"], "torch"), 2]
 
 
 @pytest.mark.parametrize("value,words", [("0", "--jobs: 0"), ("-1", "--jobs: -1"), ("x", "'x' is not a whole"),
