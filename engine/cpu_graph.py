@@ -38,7 +38,7 @@ from engine.custom_ops import EAGER_IMPLS, tracing_ops
 CAPTURE_LOCK = threading.Lock()
 # Custom ops whose int arguments name per-rank state: op -> {arg index: "key"}, a sink or
 # group key (its role is found by value), or "layer", the layer whose KV cache and records a
-# call uses (lifted only where the capture names a "layer" role: a per-layer trace).
+# call uses (the capture's "layer" role; a trace whose calls name another layer is unshared).
 _ROLE_ARGS = {"llmfuzz::unified_attention": {12: "key", 13: "layer"}, "llmfuzz::all_reduce": {1: "key"},
               "llmfuzz::all_gather": {1: "key"}, "llmfuzz::reduce_scatter": {1: "key"}}
 MAX_TEMPLATES = 256  # shared traces kept per process (~0.3 MB of generated code each at 8 layers)
@@ -234,12 +234,7 @@ def _lift_roles(gm: GraphModule, roles: dict) -> tuple[tuple[str, ...], bool]:
             if nd.op == "call_function" else {}
         for i, kind in idx.items():
             value = nd.args[i]
-            if kind == "layer":
-                if "layer" not in roles:
-                    continue  # a whole-forward trace: the layer indices are part of its key
-                role = "layer" if roles["layer"] == value else None
-            else:
-                role = by_value.get(value)
+            role = ("layer" if roles.get("layer") == value else None) if kind == "layer" else by_value.get(value)
             if role is None:
                 known = False
                 continue

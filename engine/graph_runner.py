@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from engine import cpu_graph
 from engine.attention.fa_contract import check_varlen_args
 from engine.attention.metadata import AttentionMetadataBuilder, CommonAttentionMetadata, FACallRecord
 from engine.config import EngineConfig
@@ -126,9 +127,8 @@ class CUDAGraphRunner:
         list is fixed here, as a CUDA graph fixes its kernels. A layer's trace is keyed by its
         code path, not by its index or stage, so every layer of every stage, TP rank and
         pooled engine with the same shapes, options and baked scalars replays one trace: a
-        pp8 capture traces one layer where it traced eight (tracing is ~90 % of a capture)."""
-        from engine import cpu_graph
-
+        pp8 capture traces one layer where it traced eight (tracing was 84 % of a cold pp8
+        capture's time, measured)."""
         p, m, g = self.parts, self.model, self.model.g
         qsl, sl, bt, sm, ids, pos, h, r = bufs
         roles = {"sink": self.sink_key, "tp": g.tp.op_key, "pp": g.pp.op_key, "world": g.world.op_key}

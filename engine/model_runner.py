@@ -110,23 +110,25 @@ class GPUModelRunner:
         """The model on the static buffers: the function eager mode calls and a GPU graph
         captures. A CPU capture traces its parts one by one (engine/graph_runner.py), so the
         layers of every stage share one trace: `forward_in`, each live layer, `forward_out`."""
-        hidden, residual, cos, sin = self.forward_in(input_ids, positions, hidden, residual)
-        attn = self.attention(md)
-        for layer in self.model.live_layers():
-            hidden, residual = layer.forward(positions, hidden, residual, cos, sin, attn)
-        return self.forward_out(hidden, residual)
+        out = self.model.forward(input_ids, positions, self._intermediate(hidden, residual), self.attention(md),
+                                 return_hidden_states=self.drafter is not None)
+        return self._stage_output(out)
 
     def forward_in(self, input_ids, positions, hidden, residual):
-        m = self.model
-        return m.forward_in(input_ids, positions, None if m.is_first else IntermediateTensors(hidden, residual))
+        return self.model.forward_in(input_ids, positions, self._intermediate(hidden, residual))
 
     def attention(self, md: CommonAttentionMetadata) -> AttentionContext:
         return AttentionContext(md, self.kv_caches, self.scale, self.sink_key)
 
     def forward_out(self, hidden, residual):
-        m = self.model
-        out = m.forward_out(hidden, residual, return_hidden_states=self.drafter is not None)
-        return (out.hidden_states, out.residual) if not m.is_last else out
+        return self._stage_output(self.model.forward_out(hidden, residual,
+                                                         return_hidden_states=self.drafter is not None))
+
+    def _intermediate(self, hidden, residual) -> IntermediateTensors | None:
+        return None if self.model.is_first else IntermediateTensors(hidden, residual)
+
+    def _stage_output(self, out):
+        return (out.hidden_states, out.residual) if not self.model.is_last else out
 
     def execute(self, pb: PreparedBatch) -> ModelRunnerOutput | None:
         m, sink, T = self.model, self.sink, pb.num_padded_tokens

@@ -30,6 +30,7 @@ import tempfile
 import threading
 import time
 
+from engine.config import parse_layout
 from fuzz.cli_common import EXIT_FAIL, EXIT_OK, EXIT_UNWRITTEN, BadInput
 from fuzz.jobs_worker import merge_reports, plan_args, read_report
 
@@ -81,7 +82,7 @@ def cpu_cores() -> int:
 
 def layout_ranks(layout: str) -> int:
     """Ranks of a layout: tp * pp."""
-    tp, pp = (int(x) for x in re.fullmatch(r"tp(\d+)pp(\d+)", layout).groups())
+    tp, pp = parse_layout(layout)
     return tp * pp
 
 
@@ -192,7 +193,7 @@ def oversubscribed(jobs: int, layouts: list[str], world: str, cores: int) -> str
 
 def layout_cost(layout: str) -> float:
     """Relative cost of a layout's example (1 = tp1pp1)."""
-    tp, pp = (int(x) for x in re.fullmatch(r"tp(\d+)pp(\d+)", layout).groups())
+    tp, pp = parse_layout(layout)
     return 1 + 2 * (tp * pp - 1) / 7 if tp > 1 else 1 + 0.5 * (pp - 1) / 7
 
 
