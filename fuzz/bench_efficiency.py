@@ -73,7 +73,7 @@ def floor_seconds(cfg, token_counts: Counter, reps: int = 5) -> float:
     """Σ over forwards of a raw forward's time at that token count (median of `reps`)."""
     raw = RawModel(cfg)
     total = 0.0
-    with torch.no_grad():
+    with torch.inference_mode():  # the engine's forward runs in it too
         for n, times in token_counts.items():
             ids = torch.randint(0, cfg.vocab_size, (max(1, n),))
             raw.forward(ids)  # warm-up

@@ -147,12 +147,22 @@ class PlanCache:
 
     def get(self, tensors: tuple, scalars: tuple):
         if len(tensors) == len(self.tensors) and all(a is b for a, b in zip(tensors, self.tensors)) \
-                and self.key == (tuple(t._version for t in tensors), scalars):
+                and self.key == (_versions(tensors), scalars):
             return True, self.plan
         return False, None
 
     def put(self, tensors: tuple, scalars: tuple, plan) -> None:
-        self.tensors, self.key, self.plan = tensors, (tuple(t._version for t in tensors), scalars), plan
+        versions = _versions(tensors)
+        # An inference tensor has no version counter, so a write to it could not be seen:
+        # a plan made from one is never reused.
+        self.tensors, self.key, self.plan = (tensors, (versions, scalars), plan) if versions is not None \
+            else ((), None, None)
+
+
+def _versions(tensors: tuple) -> tuple | None:
+    if any(t.is_inference() for t in tensors):
+        return None
+    return tuple(t._version for t in tensors)
 
 
 # Plans by their metadata's content, on the CPU: the TP ranks of a stage, a Case's reference

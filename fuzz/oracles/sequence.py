@@ -70,9 +70,11 @@ class SequenceOracle(abc.ABC):
             return hit
         t0 = time.perf_counter()
         ids = torch.tensor(list(prompt) + list(forced[:-1]), dtype=torch.int64)
-        with torch.no_grad():
-            # clone: a view would keep the prompt positions' rows alive in the cache too
-            rows = self.forward(self._model(cfg), cfg, ids)[len(prompt) - 1:].float().cpu().clone()
+        with torch.inference_mode():  # as the engine's forward (engine/model_runner.py)
+            logits = self.forward(self._model(cfg), cfg, ids)
+        # clone: a view would keep the prompt positions' rows alive in the cache too (and,
+        # made outside inference mode, the cached rows are plain tensors)
+        rows = logits[len(prompt) - 1:].float().cpu().clone()
         self.seconds += time.perf_counter() - t0
         self.results[key] = rows
         if len(self.results) > self.RESULTS:
