@@ -57,17 +57,19 @@ def accum_dtype(dtype: str) -> torch.dtype:
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ w.T in w's (wider) dtype, rounded once to x's dtype at the end.
 
-    Rows go in fixed tiles of ROW_TILE, so a row's result never depends on how many rows
-    share the batch (a plain GEMM picks its blocking from the row count, which changes low
-    bits): graph padding and batch mixes stay bitwise equal. Weights are kept in the
-    accumulation dtype, so splitting output columns (TP) or K (row-parallel partials)
-    changes nothing but that final rounding."""
+    The rows are padded to a multiple of ROW_TILE, so the GEMM never takes a small-row path
+    (one row is a GEMV, a few rows another kernel), whose blocking would change low bits
+    with the batch size: graph padding and batch mixes stay bitwise equal
+    (tests/engine/test_batch_invariance.py). One mm over the padded rows is what
+    torch.matmul made of the [tiles, ROW_TILE, K] view this used to pass it (it folds the
+    tiles into rows), without its five view ops. Weights are kept in the accumulation dtype,
+    so splitting output columns (TP) or K (row-parallel partials) changes nothing but that
+    final rounding."""
     n, dtype = x.shape[0], x.dtype
     pad = -n % ROW_TILE
     if pad:
         x = F.pad(x, (0, 0, 0, pad))
-    out = torch.matmul(x.to(w.dtype).view(-1, ROW_TILE, x.shape[-1]), w.t())
-    return out.reshape(n + pad, w.shape[0])[:n].to(dtype)
+    return torch.mm(x.to(w.dtype), w.t())[:n].to(dtype)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
