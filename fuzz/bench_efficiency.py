@@ -69,11 +69,13 @@ class RawModel:
         return F.linear(self._rms(x, self.norm), self.lm_head)
 
 
-def floor_seconds(cfg, token_counts: Counter, reps: int = 5) -> float:
-    """Σ over forwards of a raw forward's time at that token count (median of `reps`)."""
+def floor_seconds(cfg, token_counts: Counter, reps: int = 5, mode=torch.inference_mode) -> float:
+    """Σ over forwards of a raw forward's time at that token count (median of `reps`), in
+    inference mode as the engine's forward runs (`mode=torch.no_grad`: the floor the bench
+    used before it did, 10-25 % slower at a step's 1-64 tokens)."""
     raw = RawModel(cfg)
     total = 0.0
-    with torch.inference_mode():  # the engine's forward runs in it too
+    with mode():
         for n, times in token_counts.items():
             ids = torch.randint(0, cfg.vocab_size, (max(1, n),))
             raw.forward(ids)  # warm-up
@@ -179,6 +181,8 @@ class Meter:
                                                          - self.wall["fa_check"] - self.wall["logits_check"]) / n},
         }
         out = {"efficiency": round(floor / seconds, 3) if seconds else None}
+        if seconds:  # comparable with the figures measured before the forward ran in inference mode
+            out["efficiency_no_grad_floor"] = round(floor_seconds(cfg, self.tokens, mode=torch.no_grad) / seconds, 3)
         out["per_example"] = _rounded(per)
         return out
 

@@ -54,6 +54,7 @@ def test_the_meter_counts_each_forward_and_restores_what_it_wrapped():
     assert engine_forwards >= len(scheduled)  # every microbatch, plus the oracles' requests
     assert all(meter.tokens[t] >= scheduled.count(t) for t in set(scheduled))
     assert 0.0 < report["efficiency"] < 1.0
+    assert 0.0 < report["efficiency_no_grad_floor"] < 1.0  # the floor as measured before inference mode
     per = report["per_example"]
     assert 0 < per["floor_s"] < per["example_s"]
     # The parts are parts of the whole: the engine runs within the example's time, attention
