@@ -77,6 +77,11 @@ class CUDAGraphRunner:
                 b.slot_mapping.gpu[:T], b.input_ids.gpu[:T], b.positions.gpu[:T], hidden, residual]
 
         def fn(qsl, sl, bt, sm, ids, pos, h, r):
+            # Each run makes its own launch plan (engine/attention/reference.py): a GPU capture
+            # runs fn to warm up and then to capture, on the same buffers, and a plan reused
+            # from the warm-up is made outside the graph: every replay would read the warm-up
+            # batch's plan (found on the H200: graph != eager at tp1pp2).
+            self.sink.plans.clear()
             md = CommonAttentionMetadata(qsl, sl, bt, sm, R, T, max_q, max_k)
             return self.parts._forward(md, ids, pos, h, r)
 
