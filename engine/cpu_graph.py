@@ -12,9 +12,11 @@ replay with their captured scalar arguments, and the attention op records each c
 Tracing costs ~50 ms per layer, and a campaign captures each (rank, size) of every pooled
 engine. So a capture is traced in parts (engine/graph_runner.py: before the layers, each
 layer, after them), and one trace serves every part whose code path it is: a `CaptureSpec.share_key`
-names the code path (partition, options, faults, padded shape, baked scalars), the traced
-function takes the rank's tensors as inputs instead of closing over them, and the ints that
-name a rank's sink and groups in custom-op calls become inputs too. Sharing is verified,
+names the code path (partition, options, faults, padded token count), the traced function
+takes the rank's tensors as inputs instead of closing over them, and the ints of custom-op
+calls that differ between captures of one code path become inputs too: those naming a
+rank's sink, groups and layer, and the max_seqlen_q/k a capture bakes (each capture's
+replay passes its own, so what a replay reads is still frozen at its capture). Sharing is verified,
 not assumed: a trace that still holds a tensor constant (state this module was not told
 about) or an unknown custom-op int is used by its own capture only, and a shared trace is
 reused only where the inputs its aten ops read (not only custom ops) have the same shapes.
@@ -36,11 +38,17 @@ from engine.custom_ops import EAGER_IMPLS, tracing_ops
 
 # make_fx keeps global tracing state and is not thread-safe: one trace at a time.
 CAPTURE_LOCK = threading.Lock()
-# Custom ops whose int arguments name per-rank state: op -> {arg index: "key"}, a sink or
-# group key (its role is found by value), or "layer", the layer whose KV cache and records a
-# call uses (the capture's "layer" role; a trace whose calls name another layer is unshared).
-_ROLE_ARGS = {"llmfuzz::unified_attention": {12: "key", 13: "layer"}, "llmfuzz::all_reduce": {1: "key"},
-              "llmfuzz::all_gather": {1: "key"}, "llmfuzz::reduce_scatter": {1: "key"}}
+# Custom ops whose int arguments are lifted to inputs: op -> {arg index: kind}. "key" is a
+# sink or group key naming per-rank state (its role is found by value); the others are
+# fixed-position roles whose value the capture names: "layer", the layer whose KV cache and
+# records a call uses, and the metadata scalars the graph bakes, max_seqlen_q/k. A replay
+# still passes the values of its own capture (baked, as a CUDA graph's), but one trace then
+# serves every capture of its padded shape, whatever scalars each baked. A call whose int
+# is not its capture's role value leaves the trace unshared.
+_ROLE_ARGS = {"llmfuzz::unified_attention": {9: "max_seqlen_q", 10: "max_seqlen_k", 12: "key", 13: "layer"},
+              "llmfuzz::all_reduce": {1: "key"}, "llmfuzz::all_gather": {1: "key"},
+              "llmfuzz::reduce_scatter": {1: "key"}}
+_POSITIONAL = frozenset(k for args in _ROLE_ARGS.values() for k in args.values()) - {"key"}
 MAX_TEMPLATES = 256  # shared traces kept per process (~0.3 MB of generated code each at 8 layers)
 
 
@@ -221,20 +229,21 @@ def _outputs(gm: GraphModule) -> tuple:
 
 
 def _lift_roles(gm: GraphModule, roles: dict) -> tuple[tuple[str, ...], bool]:
-    """Turn the sink, group and layer ints baked into custom-op calls into trailing inputs,
-    one per role. Returns the roles in input order, and whether every such int was a known
+    """Turn the sink, group, layer and metadata-scalar ints baked into custom-op calls into
+    trailing inputs, one per role. Returns the roles in input order, and whether every such int was a known
     role."""
     g = gm.graph
     placeholders = [nd for nd in g.nodes if nd.op == "placeholder"]
     lifted: dict[str, torch.fx.Node] = {}
-    by_value = {v: name for name, v in roles.items() if name != "layer"}
+    by_value = {v: name for name, v in roles.items() if name not in _POSITIONAL}
     known = True
     for nd in list(g.nodes):
         idx = _ROLE_ARGS.get(getattr(getattr(nd.target, "_schema", None), "name", None), {}) \
             if nd.op == "call_function" else {}
         for i, kind in idx.items():
             value = nd.args[i]
-            role = ("layer" if roles.get("layer") == value else None) if kind == "layer" else by_value.get(value)
+            role = (kind if kind in roles and roles[kind] == value else None) if kind in _POSITIONAL \
+                else by_value.get(value)
             if role is None:
                 known = False
                 continue

@@ -136,12 +136,15 @@ class AttentionSink:
     attn_out: torch.Tensor | None = None
     backend: str = "reference"
     _snap: tuple | None = field(default=None, repr=False)  # this forward's metadata copy
-    # The reference kernel's launch plan, made by a forward's first layer for all of them.
+    # The reference kernel's launch plan, made by a forward's first layer for all of them,
+    # and likewise the KV slots its tokens write (engine/attention/reference.py).
     plans: PlanCache = field(default_factory=PlanCache, repr=False)
+    slot_plans: PlanCache = field(default_factory=PlanCache, repr=False)
 
     def reset_snapshot(self) -> None:
         self._snap = None
         self.plans.clear()
+        self.slot_plans.clear()
 
 
 def register_sink(sink: AttentionSink) -> int:
@@ -216,8 +219,8 @@ def unified_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_
                       v_cache: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                       block_table: torch.Tensor, slot_mapping: torch.Tensor, max_seqlen_q: int,
                       max_seqlen_k: int, scale: float, sink: int, layer: int) -> torch.Tensor:
-    reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
     s = SINKS.get(sink)
+    reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, s.slot_plans if s is not None else None)
     if s is not None and s.records is not None:
         s.records.append(_record(s, layer, q, k_cache, query_start_loc, seq_lens, block_table,
                                  slot_mapping, max_seqlen_q, max_seqlen_k))

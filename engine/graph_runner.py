@@ -23,10 +23,13 @@ from engine.faults import CAPTURE_FAULTS, CAPTURE_METADATA_BAKED, GRAPH_STALE_MA
 from engine.input_prep import InputBuffers, PreparedBatch
 from engine.model import LlamaForCausalLM
 
+# Config fields a captured forward does not bake. max_model_len and block_size reach it only
+# through the attention op: the baked max_seqlen_k (a lifted input of the layer trace), the
+# sink's key-work pad and the KV cache's shape, all read by the op at replay.
 NOT_READ_BY_FORWARD = ("seed", "model_path", "weights_dtype", "num_gpu_blocks", "max_num_seqs",
                        "max_num_batched_tokens", "enable_chunked_prefill", "broadcast_pp_output",
                        "world", "capture_sizes", "cudagraph_mode", "step_timeout_s",
-                       "speculative_method", "num_speculative_tokens")
+                       "speculative_method", "num_speculative_tokens", "max_model_len", "block_size")
 
 
 def check_before_replay(rec: FACallRecord) -> None:
@@ -137,6 +140,11 @@ class CUDAGraphRunner:
         p, m, g = self.parts, self.model, self.model.g
         qsl, sl, bt, sm, ids, pos, h, r = bufs
         roles = {"sink": self.sink_key, "tp": g.tp.op_key, "pp": g.pp.op_key, "world": g.world.op_key}
+        # The scalars this capture bakes reach the forward only as attention-op arguments:
+        # lifted to inputs of the layer trace (replayed with this capture's values), they
+        # leave it shareable by every capture of the same padded token count.
+        _, _, max_q, max_k = md_args
+        scalar_roles = {"max_seqlen_q": max_q, "max_seqlen_k": max_k}
         key = self._share_key(desc)
         # Python scalars each part reads. The model's layer range is read by none of them
         # (the layer loop is here), so the stages' `forward_in`/`forward_out` share traces too.
@@ -155,7 +163,8 @@ class CUDAGraphRunner:
                 return layer.forward(pos, h, r, cos, sin, p.attention(md))
             held = tuple(kv for kv in _scalars(layer) if kv[0] != "idx")
             spec = cpu_graph.CaptureSpec(tuple(cpu_graph.tensor_slots(layer)) + (cpu_graph.Slot(self.kv_caches, layer.idx),),
-                                         {**roles, "layer": layer.idx}, key + ("layer", held, residual is None))
+                                         {**roles, **scalar_roles, "layer": layer.idx},
+                                         key + ("layer", held, residual is None))
             layers.append(cpu_graph.capture(run_layer, md_bufs + [pos, hidden, residual, cos, sin], spec))
             hidden, residual = cpu_graph.output_examples(layers[-1])
         last = cpu_graph.capture(p.forward_out, [hidden, residual],
@@ -169,13 +178,16 @@ class CUDAGraphRunner:
         return replay
 
     def _share_key(self, desc: BatchDescriptor) -> tuple:
-        """What every part of a capture bakes: config fields the forward reads (its tensors
-        are inputs; scheduling and capture policy happen outside it, so engines differing
-        only in those share traces), the padded shape, the baked metadata scalars, the
-        faults and the runner's own Python values (the attention scale)."""
+        """What every part of a capture bakes into its trace: config fields the forward reads
+        (its tensors are inputs; scheduling and capture policy happen outside it, so engines
+        differing only in those share traces), the padded token count, the faults and the
+        runner's own Python values (the attention scale). Not the padded request count nor
+        the baked max_seqlen_q/k: those reach only the attention op (the request count as the
+        length of the metadata buffers it reads, the scalars as lifted inputs); a trace is
+        reused only where the inputs its aten ops read have its shapes (cpu_graph)."""
         forward_cfg = tuple((f.name, getattr(self.cfg, f.name)) for f in fields(self.cfg)
                             if f.name not in NOT_READ_BY_FORWARD)
-        return (forward_cfg, desc, self._baked[desc], self.faults.names, self.forward_scalars())
+        return (forward_cfg, desc.num_tokens, self.faults.names, self.forward_scalars())
 
     def _record_host(self, pb: PreparedBatch, baked, T: int, R: int) -> None:
         from engine.custom_ops import _record

@@ -33,28 +33,46 @@ FA2_PAGED_TILE_Q = 64  # query rows per FA2 thread block with a paged KV cache (
 
 
 def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      plans: "PlanCache | None" = None) -> None:
     """Write each token's k/v to its slot; slot -1 (padding) writes nothing.
 
     On CUDA the -1 slots are redirected into the null block 0 instead of being filtered:
     filtering needs a device-to-host sync, which a CUDA graph capture forbids, and block 0
-    is never read for a live token (its poison must only stay finite, which k/v are)."""
+    is never read for a live token (its poison must only stay finite, which k/v are).
+    `plans`: a sink's cache of the filtered slots (CPU): a forward's layers write through
+    the same slot_mapping, so its rows are picked once, while it is unwritten."""
     n = min(k.shape[0], slot_mapping.shape[0])
-    slots = slot_mapping[:n].long()
     k, v = k[:n], v[:n]
     flat_k = k_cache.view(-1, *k_cache.shape[2:])
     flat_v = v_cache.view(-1, *v_cache.shape[2:])
     if k.is_cuda:
+        slots = slot_mapping[:n].long()
         valid = (slots >= 0)[:, None, None]
         slots = torch.where(slots >= 0, slots, torch.zeros_like(slots))
         # Padded rows may hold NaN (poisoned inputs); the null block must stay finite.
         k = torch.where(valid, k, torch.zeros_like(k))
         v = torch.where(valid, v, torch.zeros_like(v))
-    elif not bool((slots >= 0).all()):
-        keep = (slots >= 0).nonzero().squeeze(1)
-        k, v, slots = k[keep], v[keep], slots[keep]
+    else:
+        hit, picked = plans.get((slot_mapping,), (n,)) if plans is not None else (False, None)
+        if not hit:
+            picked = _pick_slots(slot_mapping[:n])
+            if plans is not None:
+                plans.put((slot_mapping,), (n,), picked)
+        slots, keep = picked
+        if keep is not None:
+            k, v = k[keep], v[keep]
     flat_k.index_copy_(0, slots, k)
     flat_v.index_copy_(0, slots, v)
+
+
+def _pick_slots(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The slots written (as int64) and the rows that write them (None: every row)."""
+    slots = slot_mapping.long()
+    if bool((slots >= 0).all()):
+        return slots, None
+    keep = (slots >= 0).nonzero().squeeze(1)
+    return slots[keep], keep
 
 
 def varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

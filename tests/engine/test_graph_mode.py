@@ -109,6 +109,35 @@ def test_tp_ranks_and_pooled_engines_share_one_trace_per_code_path():
     assert cpu_graph.STATS["shared"] - before["shared"] == 4 * 10 - 4
 
 
+def test_captures_baking_other_scalars_share_traces_and_replay_their_own():
+    """The scalars a capture bakes (max_seqlen_q/k, the padded request count) and the KV
+    cache's geometry reach the forward only through the attention op: engines differing in
+    max_model_len and block_size, and batches baking other scalars, replay one trace per
+    code path, each replay with its own capture's scalars, bitwise its own eager run."""
+    from engine import cpu_graph
+
+    cpu_graph.clear_templates()
+    reqs = [("a", [1, 2, 3, 4, 5], 3, 0), ("b", [6, 7], 2, 1)]
+    cfgs = [BASE.replace(cudagraph_mode="FULL", capture_sizes=(8,), max_model_len=m, block_size=b)
+            for m, b in ((64, 4), (128, 8))]
+    before = dict(cpu_graph.STATS)
+    for cfg in cfgs:
+        graph, eager = LLMEngine(cfg, record_fa=True), LLMEngine(cfg.replace(cudagraph_mode="NONE", capture_sizes=()))
+        try:
+            g, e = run(graph, reqs), run(eager, reqs)
+            baked = {r.max_seqlen_k for r in graph.collect_fa_records() if r.graph}
+            assert baked == {cfg.max_model_len}, "each replay passes the max_seqlen_k its capture baked"
+        finally:
+            graph.shutdown()
+            eager.shutdown()
+        for rid, _, _, _ in reqs:
+            for x, y in zip(g.tokens[rid], e.tokens[rid]):
+                assert torch.equal(x.logits, y.logits), f"{cfg.max_model_len}: {rid} step {x.step}"
+    # One capture per engine (size 8) of 10 parts: traced once (4 parts), then shared.
+    assert cpu_graph.STATS["traces"] - before["traces"] == 4
+    assert cpu_graph.STATS["shared"] - before["shared"] == 2 * 10 - 4
+
+
 def test_pipeline_stages_share_their_layers_trace():
     """A layer's trace does not depend on its index or stage: pp8 traces the first stage's
     layer (no residual yet) and one layer for the seven others, where a whole-stage trace

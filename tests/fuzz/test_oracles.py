@@ -53,11 +53,11 @@ def test_solo_sees_a_kv_write_bug_every_engine_run_shares(monkeypatch) -> None:
     test agree, since both read the same stale slot; only solo (no KV cache) sees it."""
     real = attn_ref.reshape_and_cache
 
-    def lossy(k, v, k_cache, v_cache, slot_mapping):
+    def lossy(k, v, k_cache, v_cache, slot_mapping, plans=None):
         bs = k_cache.shape[1]
         keep = slot_mapping.clone()
         keep[(keep >= 0) & (keep % bs == bs - 1)] = -1
-        real(k, v, k_cache, v_cache, keep)
+        real(k, v, k_cache, v_cache, keep, plans)
 
     h = Harness(2)
     try:
