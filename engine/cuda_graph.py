@@ -95,10 +95,31 @@ class GraphStore:
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        with CAPTURE_LOCK, torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            out = fn(*static_args)
+        with CAPTURE_LOCK:
+            # cuBLAS keeps a workspace per (handle, stream) in a process-wide cache. One first
+            # made during a capture lives in the graph's pool, and the cache then pins that
+            # pool for good: every engine's graphs leaked their pools (~64 MiB a rank, measured
+            # on an H200). Emptied before, the capture makes its own workspace in its pool;
+            # emptied after, the cache holds none of it, so the pool goes with the graphs. Only
+            # a later capture into this store's pool can reuse the freed workspace (the model's
+            # tensors are small-pool blocks, the workspace a large one: in practice the next
+            # capture's workspace), and one store's graphs replay one at a time on its rank's
+            # stream, so sharing that scratch is safe.
+            _clear_cublas_workspaces()
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                out = fn(*static_args)
+            _clear_cublas_workspaces()
 
         def replay(*args):
             graph.replay()  # reads the same static buffers; args are those buffers
             return out
         return replay
+
+
+def _clear_cublas_workspaces() -> None:
+    """Drop cuBLAS's cached workspaces (torch's, as its CUDA graph trees do around a capture);
+    eager calls make new ones as needed. A no-op on builds without CUDA."""
+    torch.cuda.synchronize()  # the cached workspaces may still be in use by queued kernels
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()

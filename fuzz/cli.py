@@ -50,6 +50,7 @@ def cmd_run(args) -> int:
     from fuzz.campaign import Campaign
     from fuzz.findings import run_json, run_text
     from fuzz.jobs import default_jobs, run_jobs
+    from fuzz.jobs_gpus import check_gpu_count
     from fuzz.strategies import CAMPAIGN_ORDER, IMPLEMENTED_MODES
 
     bases = _base_configs(args)  # one per attention kernel: cells of the campaign (fuzz/kernel_cells.py)
@@ -67,6 +68,7 @@ def cmd_run(args) -> int:
     profile = _load_profile(args.profile)
     oracles = _oracles(args)
     poison, _ = _poison(args), _shrink_budget(args)  # bad input is found before any worker starts
+    check_gpu_count(base.device, layouts, args.world)  # --world torch on CUDA: a GPU a rank, any --jobs
     jobs = jobs or default_jobs(base.device, layouts, args.world)
     if jobs > 1:  # fuzz/jobs.py
         return run_jobs(args, jobs, layouts, bases, modes)

@@ -14,6 +14,7 @@ import sys
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable
 
 from engine.config import EngineConfig
 from engine.inproc_world import RankFailure
@@ -22,6 +23,7 @@ from engine.llm_engine import EngineInvariantError, LLMEngine, Trace
 from engine.schedule import Schedule
 from fuzz.case import Case, Workload, reference_config
 from fuzz.invariants import FAInvariantError
+from fuzz.jobs_gpus import CUDA_CONTEXT_BYTES, WORKER_GPU_BYTES
 from fuzz.oracles import ORACLES, hf
 from fuzz.oracles.solo import SoloOracle
 from fuzz.properties import (CrashViolation, EngineViolation, FAViolation, LivenessViolation, LogitsMismatch,
@@ -81,28 +83,83 @@ def release_freed_memory() -> None:
         trim(0)
 
 
+# What a pool lets its process's CUDA caching allocator hold: the worker's GPU allowance
+# (fuzz/jobs_gpus.py, by which workers are dealt GPUs) less the context, which the allocator's
+# figures leave out. One constant bounds both.
+POOL_GPU_BYTES = WORKER_GPU_BYTES - CUDA_CONTEXT_BYTES
+
+
+def cuda_reserved_bytes() -> int:
+    """What this process's CUDA caching allocator holds, over every device it uses: its engines
+    (weights, KV caches, the graph pools of captured CUDA graphs), the oracles' tensors and the
+    blocks it caches. 0 while CUDA is untouched (a CPU campaign never initializes it)."""
+    import torch
+
+    if not torch.cuda.is_initialized():
+        return 0
+    return sum(torch.cuda.memory_reserved(d) for d in range(torch.cuda.device_count()))
+
+
+def release_cuda_memory() -> None:
+    """Give the GPU memory this process's caching allocator caches back to the driver: freed
+    blocks, and the private pools of destroyed CUDA graphs, which stay reserved until
+    empty_cache. gc first: an engine's ranks and graphs can sit in reference cycles, and
+    their memory is freed only once collected. A no-op while CUDA is untouched."""
+    import gc
+
+    import torch
+
+    if torch.cuda.is_initialized():
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 class EnginePool:
     """LRU of live engines keyed by their built config (schedule, faults and scheduling
-    limits are per Case)."""
+    limits are per Case), bounded by count (`capacity`) and by GPU memory: before an engine is
+    handed out, while `memory_used()` (this process's reserved CUDA memory) is above
+    `memory_budget`, the pool releases what the allocator caches and then evicts the least
+    recently used other engines. Releasing only then keeps the allocator's cache (and its
+    speed) below the budget. The engine asked for is never evicted for memory: it is needed
+    now (one engine over the budget runs alone). With --world torch the engines' rank
+    processes hold their own memory, which dies with them at eviction: the count bounds it.
+    (The growth that asked for the budget, 18.6 GiB a worker after 7 minutes, was engines'
+    graph pools pinned by cuBLAS workspaces, fixed in engine/cuda_graph.py; the budget is what
+    guarantees the bound whatever an engine holds.)"""
 
-    def __init__(self, capacity: int = 16) -> None:
+    def __init__(self, capacity: int = 16, memory_budget: int | None = POOL_GPU_BYTES,
+                 memory_used: Callable[[], int] = cuda_reserved_bytes,
+                 release: Callable[[], None] = release_cuda_memory) -> None:
         self.capacity = capacity
+        self.memory_budget, self.memory_used, self.release = memory_budget, memory_used, release
         self.engines: OrderedDict[str, LLMEngine] = OrderedDict()
+        self.evicted_for_memory = 0
 
     def get(self, cfg: EngineConfig) -> LLMEngine:
         cfg = engine_config(cfg)
         key = repr(cfg.to_dict())
         eng = self.engines.pop(key, None)
+        # Memory first, so a new engine is built with the memory of those evicted back (the
+        # engine asked for is out of the LRU now, safe from it).
+        if self._over_budget():
+            self.release()
+            while self.engines and self._over_budget():
+                self._evict()
+                self.release()  # freed blocks count as reserved until released
+                self.evicted_for_memory += 1
         if eng is None:
             eng = LLMEngine(cfg, record_fa=True)
-            evicted = False
             while len(self.engines) >= self.capacity:
-                self.engines.popitem(last=False)[1].shutdown()
-                evicted = True
-            if evicted:
-                release_freed_memory()
+                self._evict()
         self.engines[key] = eng
         return eng
+
+    def _over_budget(self) -> bool:
+        return self.memory_budget is not None and self.memory_used() > self.memory_budget
+
+    def _evict(self) -> None:
+        self.engines.popitem(last=False)[1].shutdown()
+        release_freed_memory()
 
     def discard(self, cfg: EngineConfig) -> None:
         eng = self.engines.pop(repr(engine_config(cfg).to_dict()), None)

@@ -9,6 +9,8 @@ dealt to the least loaded worker, costliest first (tp shards every GEMM over ran
 that meet at each step: tp8 and tp2pp4 cost ~3× tp1pp1), so every cell gets about as many
 chunks as in one process's round robin. More workers than layouts: one layout each, the
 extra workers on the costliest layouts, a shared layout's chunks dealt between its workers.
+On CUDA each worker is dealt its GPUs (CUDA_VISIBLE_DEVICES) by fuzz/jobs_gpus.py: one in the
+in-process world, one a rank of its largest layout with --world torch.
 
 A stop (SIGINT/SIGTERM to the parent) is passed to every worker as one SIGTERM: each stops
 as `--jobs 1` does (its failures on disk), writes its report and exits; the parent merges
@@ -32,6 +34,7 @@ import time
 
 from engine.config import parse_layout
 from fuzz.cli_common import EXIT_FAIL, EXIT_OK, EXIT_UNWRITTEN, BadInput
+from fuzz.jobs_gpus import deal, gpu_free_bytes, gpu_jobs, gpus_needed, layout_ranks, visible_gpus, worker_gpu_bytes
 from fuzz.jobs_worker import merge_reports, plan_args, read_report
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # workers import this llmfuzz
@@ -57,33 +60,9 @@ def parse_jobs(args) -> int | None:
     return n
 
 
-# Per-worker GPU memory allowance of the CUDA default: a GPU takes at most its free memory over
-# this many workers. On CUDA a worker's Harness lives in a child of its own (fuzz/isolated.py)
-# and that child is the worker's one CUDA process: a context (~0.5 GiB bare, ~0.8 GiB once
-# kernels ran) plus its engines, up to 16 kept (pool_capacity), each with its KV cache and, in
-# graph mode, CUDA graph pools, and what the caching allocator keeps. It grows as a campaign
-# meets new configs. Measured (an H200, 16 cores, the default --device cuda campaign: 12
-# workers of one layout each, bf16, torch_flash): after 90 s 1.6-10.0 GiB a worker, after
-# 430 s 2.2 GiB (tp1pp1) to 18.6 GiB (tp1pp8), 8.1 GiB on average, 97 GiB in all, still
-# growing by about 2 GiB a minute in all. Workers of several layouts hold more engines. 16 GiB
-# is that average with room for an hour's growth and for a GPU dealt more heavy layouts than
-# light: running out would turn memory into false crash findings, while a worker less costs
-# only speed (an H200 takes 8, an 80 GB H100 4).
-WORKER_GPU_BYTES = 16 << 30
-# With --world torch each rank is a process of its own with a CUDA context (DistExecutor),
-# on top of what the in-process world's one process holds: the measured context, rounded up.
-CUDA_CONTEXT_BYTES = 1 << 30
-
-
 def cpu_cores() -> int:
     """The cores this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def layout_ranks(layout: str) -> int:
-    """Ranks of a layout: tp * pp."""
-    tp, pp = parse_layout(layout)
-    return tp * pp
 
 
 def busy_processes(parts: list[dict], world: str) -> int:
@@ -109,73 +88,29 @@ def cpu_jobs(cores: int, layouts: list[str], world: str = "inproc") -> int:
     return 1
 
 
-def gpu_jobs(cores: int, free_bytes: list[int], units: int, per_worker: int = WORKER_GPU_BYTES) -> int:
-    """Workers of a CUDA campaign: GPUs are shared (the tiny model leaves them nearly idle and
-    a worker is CPU-bound Python), so as many as `cores` workers (cpu_jobs's answer), at most
-    one per layout (`units`), and on each GPU at most its free memory over `per_worker`; 1 at
-    least (one process always runs)."""
-    by_memory = sum(max(0, f) // per_worker for f in free_bytes)
-    return max(1, min(cores, units, by_memory))
-
-
-def deal_gpus(n: int, free_bytes: list[int], per_worker: int = WORKER_GPU_BYTES) -> list[int]:
-    """Each of `n` workers' GPU (an index into `free_bytes`): round robin, skipping a GPU its
-    free memory holds no more workers on; once none holds more (an explicit --jobs past the
-    memory), plain round robin."""
-    room = [max(0, f) // per_worker for f in free_bytes]
-    out, g = [], 0
-    for _ in range(n):
-        if any(room):
-            while not room[g % len(room)]:
-                g += 1
-            room[g % len(room)] -= 1
-        out.append(g % len(room))
-        g += 1
-    return out
-
-
-def worker_gpu_bytes(layouts: list[str], world: str) -> int:
-    """A worker's GPU allowance: WORKER_GPU_BYTES, and with --world torch a context for each
-    rank process of its largest layout."""
-    return WORKER_GPU_BYTES + (CUDA_CONTEXT_BYTES * max(map(layout_ranks, layouts)) if world == "torch" else 0)
-
-
 def default_jobs(device: str, layouts: list[str], world: str = "inproc") -> int:
     """Workers when --jobs is not given, at most one per layout (a layout shared between
     workers is an explicit --jobs: a single-layout run stays as it was). CPU: the cores this
     process may run on, counting rank processes with --world torch (cpu_jobs). CUDA (every
-    visible GPU, or the one named by cuda:N): that, and per GPU as many as its free memory
-    holds (gpu_jobs)."""
+    visible GPU, or the one named by cuda:N): that, and no more than the GPUs' free memory
+    holds: in the in-process world a worker on one GPU (gpu_jobs); with --world torch on
+    "cuda" a worker on as many GPUs as its largest layout has ranks (fuzz/jobs_gpus.py), so
+    the most workers, as partition() deals the layouts, whose GPU sets all fit."""
     n = cpu_jobs(cpu_cores(), layouts, world)
     if device == "cpu" or n == 1:  # n == 1: no GPU to share, and CUDA stays untouched here
         return n
-    return gpu_jobs(n, gpu_free_bytes(device), len(layouts), worker_gpu_bytes(layouts, world))
+    free, per = gpu_free_bytes(device), worker_gpu_bytes(world)
+    if world != "torch" or device != "cuda":  # one GPU a worker (cuda:N: its ranks from GPU N on)
+        return gpu_jobs(n, free, len(layouts), per)
+    for m in range(n, 1, -1):
+        if deal(worker_gpus(partition(layouts, m), world), free, per)[1]:
+            return m
+    return 1
 
 
-_FREE: dict[str, list[int]] = {}
-
-
-def gpu_free_bytes(device: str) -> list[int]:
-    """Free memory of each GPU the workers go on ("cuda": every visible one, in _gpus() order;
-    "cuda:N": that one), measured once per process (default_jobs and run_jobs see the same).
-    torch.cuda.mem_get_info creates a CUDA context on each GPU in this process (518 MiB on an
-    H200, kept until exit; the figures exclude it). That is no harm to the workers: they are fresh
-    interpreters started with Popen (exec, no fork of this process), and so are --world
-    torch's ranks (forkserver or spawn) and the isolated Harness child of a --jobs 1 run."""
-    if device not in _FREE:
-        import torch
-
-        idx = [int(device.split(":")[1])] if ":" in device else range(torch.cuda.device_count())
-        _FREE[device] = [torch.cuda.mem_get_info(i)[0] for i in idx]
-    return _FREE[device]
-
-
-def _gpus() -> list[str]:
-    import torch
-
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = [g.strip() for g in visible.split(",") if g.strip()] if visible else []
-    return ids or [str(i) for i in range(torch.cuda.device_count())]
+def worker_gpus(parts: list[dict], world: str) -> list[int]:
+    """GPUs each worker of `parts` (partition's) needs."""
+    return [gpus_needed(p["layouts"], world) for p in parts]
 
 
 def oversubscribed(jobs: int, layouts: list[str], world: str, cores: int) -> str | None:
@@ -287,9 +222,10 @@ def run_jobs(args, jobs: int, layouts: list[str], bases: list, modes: list[str])
             "progress": progress, "parent_pid": os.getpid()}
     gpus, on = [], ""  # each worker's CUDA_VISIBLE_DEVICES; "cuda:N": none, all on the GPU named
     if args.device == "cuda":
-        ids = _gpus()
-        gpus = [ids[g] for g in deal_gpus(len(parts), gpu_free_bytes("cuda"), worker_gpu_bytes(layouts, args.world))]
-        on = " on " + ", ".join(f"GPU {g} ×{gpus.count(g)}" for g in dict.fromkeys(gpus))
+        ids = visible_gpus()
+        sets, _ = deal(worker_gpus(parts, args.world), gpu_free_bytes("cuda"), worker_gpu_bytes(args.world))
+        gpus = [",".join(ids[g] for g in s) for s in sets]
+        on = " on " + ", ".join(f"GPU{'s' if ',' in g else ''} {g} ×{gpus.count(g)}" for g in dict.fromkeys(gpus))
     elif args.device != "cpu":
         on = f" on {args.device} ×{len(parts)}"
     if args.jobs is not None:  # an explicit --jobs: obeyed, but oversubscribing ranks is said once

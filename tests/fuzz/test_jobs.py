@@ -19,8 +19,7 @@ import pytest
 from fuzz.campaign import Campaign
 from fuzz.cli import main
 from fuzz import jobs as jobs_mod
-from fuzz.jobs import (CUDA_CONTEXT_BYTES, WORKER_GPU_BYTES, busy_processes, cpu_jobs, deal_gpus, default_jobs,
-                       gpu_jobs, oversubscribed, partition)
+from fuzz.jobs import busy_processes, cpu_jobs, oversubscribed, partition
 from fuzz.jobs_worker import Share, merge_reports, summary_doc
 from fuzz.properties import LogitsMismatch
 from fuzz.recorder import Claims, Recorder
@@ -203,33 +202,6 @@ def test_partition_balances_cost_and_shares_the_costliest() -> None:
     assert partition(lays, 4) == four  # deterministic
 
 
-GIB = 1 << 30
-
-
-def test_gpu_jobs_shares_a_gpu_bound_by_cores_memory_and_layouts() -> None:
-    per = 4 * GIB
-    assert gpu_jobs(16, [140 * GIB], 12, per) == 12  # one GPU, 12 workers on it: shared
-    assert gpu_jobs(4, [140 * GIB], 12, per) == 4  # the cores bound
-    assert gpu_jobs(16, [140 * GIB], 3, per) == 3  # the layouts bound (one worker per layout)
-    assert gpu_jobs(16, [10 * GIB], 12, per) == 2  # the memory bound: 10 GiB holds two 4 GiB workers
-    assert gpu_jobs(16, [10 * GIB, 9 * GIB - 1], 12, per) == 4  # per GPU, summed: 2 + 2 (1 GiB short of 3)
-    assert gpu_jobs(16, [10 * GIB], 12, per_worker=GIB) == 10
-    assert gpu_jobs(16, [GIB, 0], 12, per) == gpu_jobs(16, [], 12, per) == gpu_jobs(0, [140 * GIB], 12, per) == 1
-    # The default allowance: an H200's free memory holds 8 workers of this tiny model, an 80 GB H100's 4.
-    assert gpu_jobs(16, [139 * GIB], 12) == 8 and gpu_jobs(16, [78 * GIB], 12) == 4
-
-
-def test_deal_gpus_round_robin_within_each_gpus_memory() -> None:
-    per = 4 * GIB
-    assert deal_gpus(4, [80 * GIB, 80 * GIB], per) == [0, 1, 0, 1]  # equal GPUs: round robin, as before
-    # GPU 1 holds one worker: the rest go round robin over the GPUs with room.
-    d = deal_gpus(5, [80 * GIB, 5 * GIB, 80 * GIB], per)
-    assert d == [0, 1, 2, 0, 2] and d.count(1) == 1
-    # Past the memory (an explicit --jobs): every worker still gets a GPU, round robin.
-    assert sorted(deal_gpus(6, [8 * GIB, 4 * GIB], per)) == [0, 0, 0, 1, 1, 1]
-    assert deal_gpus(3, [0], per) == [0, 0, 0]
-
-
 def test_cpu_jobs_counts_torch_world_rank_processes() -> None:
     from fuzz.strategies import CAMPAIGN_ORDER
 
@@ -243,34 +215,6 @@ def test_cpu_jobs_counts_torch_world_rank_processes() -> None:
         n = cpu_jobs(cores, lays, "torch")
         assert n == 1 or busy_processes(partition(lays, n), "torch") <= cores
         assert n == len(lays) or busy_processes(partition(lays, n + 1), "torch") > cores
-
-
-def test_default_jobs_shares_gpus_by_memory_and_counts_ranks(monkeypatch) -> None:
-    from fuzz.strategies import CAMPAIGN_ORDER
-
-    lays, per = list(CAMPAIGN_ORDER), WORKER_GPU_BYTES
-    asked: list[str] = []
-    free = {"cuda": [20 * per, per + per // 2], "cuda:1": [per + per // 2]}
-    monkeypatch.setattr(jobs_mod, "gpu_free_bytes", lambda device: asked.append(device) or free[device])
-    monkeypatch.setattr(jobs_mod, "cpu_cores", lambda: 16)
-    assert default_jobs("cpu", lays) == 12 and default_jobs("cpu", lays, "torch") == 2 and asked == []
-    assert default_jobs("cuda", lays) == 12 and asked == ["cuda"]  # 12 on 2 GPUs (20 + 1 fit)
-    assert default_jobs("cuda", lays[:3]) == 3
-    free["cuda"] = [3 * per, per - 1]
-    assert default_jobs("cuda", lays) == 3  # memory: 3 on the first GPU, none on the second
-    assert default_jobs("cuda:1", lays) == 1  # the GPU named holds one worker
-    free["cuda:1"] = [10 * per]
-    assert default_jobs("cuda:1", lays) == 10
-    # --world torch on CUDA: the cores count ranks, and each rank process adds a CUDA context.
-    free["cuda"] = [100 * per]
-    assert default_jobs("cuda", lays, "torch") == 2  # 16 cores: a tp8 layout's 8 ranks in each worker
-    free["cuda"] = [2 * per + 4 * CUDA_CONTEXT_BYTES]
-    assert default_jobs("cuda", ["tp1pp1", "tp2pp1"], "torch") == 2  # two workers of two ranks fit
-    free["cuda"][0] -= 1
-    assert default_jobs("cuda", ["tp1pp1", "tp2pp1"], "torch") == 1
-    monkeypatch.setattr(jobs_mod, "cpu_cores", lambda: 1)
-    asked.clear()
-    assert default_jobs("cuda", lays) == 1 and asked == []  # one worker: CUDA left untouched
 
 
 def test_oversubscribed_names_an_explicit_jobs_past_the_cores() -> None:
