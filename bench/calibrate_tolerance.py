@@ -6,7 +6,7 @@ oracle in float32 and in --dtype (the noise baseline: the largest |solo_dtype - 
 each request). Every generated position gives one sample per oracle. The script prints JSON:
 sample counts, the largest error/noise seen, the k and atol it suggests (the smallest atol
 that covers every clean sample at the chosen k, times a safety factor), and the largest
-ratio clean runs reach under the rule in fuzz/tolerance.py.
+ratio clean runs reach under the rule in fuzz/verdict/tolerance.py.
 
     python bench/calibrate_tolerance.py --dtype bfloat16 --examples 12 --jobs 2 > out.json
 """
@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, seed, settings
 def _cell(args) -> list[dict]:
     layout, mode, dtype, n, device, backend, s = args
     s = s * 1000 + zlib.crc32(f"{layout}/{mode}".encode()) % 1000  # other Cases in every cell
-    from fuzz.harness import Harness
+    from fuzz.verdict.harness import Harness
     from fuzz.strategies import FUZZ_MODEL, cases
 
     h = Harness(4)
@@ -77,7 +77,7 @@ def main() -> int:
             for lay in a.layouts.split(",") for mode in a.modes.split(",")]
     with mp.get_context("spawn").Pool(a.jobs) as pool:
         rows = [r for part in pool.map(_cell, jobs) for r in part]
-    from fuzz.tolerance import HALF_RULES
+    from fuzz.verdict.tolerance import HALF_RULES
 
     rule = HALF_RULES.get(a.dtype)  # None: the float32 rule (no measured noise)
     ratios = [r["ratio"] for r in rows]

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Issue 24, session 7, on the lent H200 host (16 cores, one GPU):
+# On a one-GPU host (16 cores):
 # - examples/s and efficiency of the in-process CPU cells (`bench/speed_cells.py`, 20 s a
-#   cell, graph cells after a 20 s warm-up) for the tree before this session's changes and
-#   after, side by side;
+#   cell, graph cells after a 20 s warm-up) for two trees (a baseline commit and HEAD), side
+#   by side;
 # - beside them, a CUDA campaign (bf16, torch_flash) with `--jobs 1`; then, alone, the same
-#   campaign with the default --jobs (workers sharing the GPU, fuzz/jobs.py).
+#   campaign with the default --jobs (workers sharing the GPU, fuzz/campaign/jobs.py).
 #
 #   rm -rf bench-out/{before,after} && mkdir -p bench-out/{before,after}
 #   git archive 635454f | tar -x -C bench-out/before && git archive HEAD | tar -x -C bench-out/after

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 24's measurements on a many-core host (the lent H200 host; CPU only, GPUs hidden):
-# `llmfuzz bench --quick --json` for the tree before (session 3, d8b20ee) and after, side by
+# Speed on a many-core host (CPU only, GPUs hidden):
+# `llmfuzz bench --quick --json` for a baseline tree (d8b20ee here) and HEAD, side by
 # side (in-process CPU cells, plus the GPU cells the host has), and `--jobs 16` against `--jobs 1`.
 # (With CUDA_VISIBLE_DEVICES="" the CUDA build of torch 2.11 there segfaulted in 3 of 5 runs.)
 #

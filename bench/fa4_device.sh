@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The issue-20 measurements on the lent H200 machine (2 x H200, `nvidia-h200-x2`), with the
+# GPU measurements with flash-attn-4 on a 2 x H200 machine (2 x H200, `nvidia-h200-x2`), with the
 # flash-attn-4 wheels (flash-attn-4 4.0.0b36, nvidia-cutlass-dsl 4.8.1 with its libs parts) packed
 # with xz and split into .fa4/p1 and .fa4/p2 (the machine has no network). Three device calls, each within
 # 30 s of the last (the machine stays warm that long; $HOME/fa4 lives as long as it does):

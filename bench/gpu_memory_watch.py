@@ -8,7 +8,7 @@ import time
 
 out, period, argv = sys.argv[1], float(sys.argv[2]), sys.argv[3:]
 pools = []
-import fuzz.harness as h  # noqa: E402
+import fuzz.verdict.engine_pool as h  # noqa: E402
 
 _init = h.EnginePool.__init__
 
@@ -56,7 +56,7 @@ def loop() -> None:
 
 
 threading.Thread(target=loop, daemon=True).start()
-from fuzz.cli import main  # noqa: E402
+from fuzz.cli.main import main  # noqa: E402
 
 rc = main(argv)
 time.sleep(0.5)

@@ -1,4 +1,4 @@
-"""GPU figures for issue 7: examples/s per layout and mode, capture time, and the share of a
+"""GPU figures: examples/s per layout and mode, capture time, and the share of a
 fuzz example spent checking FlashAttention invariants, on the current CUDA device.
 
     PYTHONPATH=. python bench/gpu_suite.py --seconds 20 [--backend torch_flash --dtype bfloat16]
@@ -15,9 +15,9 @@ import time
 
 import torch
 
-import fuzz.harness as harness_mod
+import fuzz.verdict.harness as harness_mod
 from fuzz import profiles
-from fuzz.campaign import Campaign
+from fuzz.campaign.loop import Campaign
 from fuzz.strategies import FUZZ_MODEL
 
 CELLS = (("tp1pp1", "eager"), ("tp1pp1", "graph"), ("tp1pp2", "eager"), ("tp1pp2", "graph"),

@@ -1,5 +1,5 @@
 """Calibrate the bf16/fp16 logits tolerance on a GPU: over fuzz Cases of each layout and
-mode, how large is max |logits - reference| relative to `fuzz.tolerance.logits_tolerance`?
+mode, how large is max |logits - reference| relative to `fuzz.verdict.tolerance.logits_tolerance`?
 
     PYTHONPATH=. python bench/gpu_tolerance.py --examples 12 [--backend torch_flash]
 
@@ -17,7 +17,7 @@ import statistics
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from fuzz.harness import Harness
+from fuzz.verdict.harness import Harness
 from fuzz.strategies import FUZZ_MODEL, cases
 
 CELLS = (("tp1pp1", "graph"), ("tp2pp1", "eager"), ("tp1pp2", "eager"), ("tp1pp2", "graph"),

@@ -30,7 +30,7 @@ import timeit
 
 import torch
 
-from fuzz import _guard_autoinstall as hook
+from fuzz.guard import autoinstall as hook
 from fuzz import guard
 
 

@@ -9,7 +9,7 @@ Two pairs of runs, the same seed and budget in each pair:
 - with a registry fault on (`--fault`, `--keep-going`: both fuzz their whole budget): the
   reproducer files each wrote (name = property/Case-hash.json, and the hash of the Case
   inside), and whether the sets are the same. A cell's chunks draw the same Cases whatever
-  N (fuzz.campaign.chunk_seed), but N workers run about N times as many chunks per cell in
+  N (fuzz.campaign.loop.chunk_seed), but N workers run about N times as many chunks per cell in
   the budget, so `--jobs N` can find more: `jobs1_within_jobsN` is the determinism check,
   `same` holds when the extra chunks found nothing new (or minimized onto the same files).
 """
@@ -28,7 +28,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run(jobs: int, a, out: str, fault: str | None) -> dict:
-    cmd = [sys.executable, "-m", "fuzz.cli", "run", "--jobs", str(jobs), "--budget", f"{a.budget:g}", "--seed",
+    cmd = [sys.executable, "-m", "fuzz.cli.main", "run", "--jobs", str(jobs), "--budget", f"{a.budget:g}", "--seed",
            str(a.seed), "--modes", a.modes, "--out", out, "--json", "--shrink-budget", f"{a.shrink_budget:g}"]
     if a.layouts:
         cmd += ["--layouts", a.layouts]

@@ -8,25 +8,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import time
 
 import torch
 
-from engine import EngineConfig, LLMEngine
-
-
-def run(cfg, reqs, forced=None):
-    e = LLMEngine(cfg)
-    try:
-        e.reset()
-        for rid, p, n in reqs:
-            e.add_request(rid, p, n, forced[rid] if forced else None)
-        t0 = time.perf_counter()
-        while e.has_unfinished_requests():
-            e.step()
-        return e.trace, time.perf_counter() - t0
-    finally:
-        e.shutdown()
+from bench.nccl_graph import run
+from engine import EngineConfig
 
 
 def main() -> None:
@@ -37,13 +23,13 @@ def main() -> None:
     rng = random.Random(0)
     reqs = [(f"r{i}", [rng.randrange(128) for _ in range(rng.randint(1, 30))], 8) for i in range(8)]
     base = EngineConfig(num_hidden_layers=4, max_num_batched_tokens=16, device="cuda")
-    ref, _ = run(base, reqs)
+    ref, _, _ = run(base, reqs)
     forced = ref.output_token_ids()
     out = {"gpus": torch.cuda.device_count(), "results": []}
     for layout in args.layouts.split(","):
         res = {"layout": layout}
         for world in ("inproc", "torch"):
-            tr, dt = run(base.replace(layout=layout, world=world), reqs, forced)
+            tr, dt, _ = run(base.replace(layout=layout, world=world), reqs, forced)
             err = max(float((a.logits - b.logits).abs().max()) for r in ref.tokens
                       for a, b in zip(ref.tokens[r], tr.tokens[r]))
             res[world] = {"steps_per_s": round(tr.num_steps / dt, 2), "max_abs_err_vs_tp1pp1": err}

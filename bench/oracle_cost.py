@@ -41,9 +41,9 @@ def main() -> int:
     ap.add_argument("--cases", type=int, default=12)
     ap.add_argument("--dtype", default="float32")
     a = ap.parse_args()
-    import fuzz.harness as harness_mod
-    from fuzz.harness import Harness
-    from fuzz.properties import Violation
+    import fuzz.verdict.harness as harness_mod
+    from fuzz.verdict.harness import Harness
+    from fuzz.verdict.properties import Violation
     from fuzz.strategies import FUZZ_MODEL
 
     base = FUZZ_MODEL.replace(dtype=a.dtype)

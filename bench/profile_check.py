@@ -53,7 +53,7 @@ def _profiled(fn):
 
 def profile_cell(layout: str, mode: str, n: int) -> dict:
     from engine.model_runner import GPUModelRunner
-    from fuzz.harness import Harness
+    from fuzz.verdict.harness import Harness
     from fuzz.strategies import FUZZ_MODEL
 
     for name in ("prepare", "execute"):

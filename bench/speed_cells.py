@@ -2,8 +2,8 @@
 
     PYTHONPATH=<tree> python bench/speed_cells.py [--cells tp1pp1/eager,...] [--budget 10] > out.json
 
-Uses `fuzz.bench._speed_cells` when the tree has it (efficiency, where the time goes) and
-`fuzz.bench._examples_per_s` otherwise (older trees), so one command measures a before and
+Uses `bench.cells._speed_cells` when the tree has it (efficiency, where the time goes) and
+`bench.cells._examples_per_s` otherwise (older trees), so one command measures a before and
 an after on the same machine in the same run.
 """
 from __future__ import annotations
@@ -22,9 +22,9 @@ def main() -> int:
     ap.add_argument("--cells", default=ALL)
     ap.add_argument("--budget", type=float, default=10.0)
     a = ap.parse_args()
-    import fuzz.bench as fb
+    import bench.cells as fb
     from fuzz import profiles
-    from fuzz.harness import Harness
+    from fuzz.verdict.harness import Harness
 
     profiles.load("dev")
     cells = tuple((c.split("/")[0], c.split("/")[1], "inproc") for c in a.cells.split(","))

@@ -9,8 +9,8 @@ import json
 
 import engine.custom_ops as co
 from fuzz.case import Case, RequestSpec, Workload
-from fuzz.harness import Harness
-from fuzz.properties import LogitsMismatch, check_logits
+from fuzz.verdict.harness import Harness
+from fuzz.verdict.properties import LogitsMismatch, check_logits
 from fuzz.strategies import FUZZ_MODEL, tokens_from_seed
 
 real = co.varlen_attention

@@ -3,7 +3,7 @@
 # (.github/workflows/nightly.yml): fuzz campaign, selftest, report.
 #
 #   ci/nightly.sh [--budget SECONDS] [--out DIR] [--selftest-budget SECONDS]
-#                 [--layouts L] [--modes M] [--seed N] [--fault NAME]...
+#                 [--layouts L] [--modes M] [--seed N] [--fault NAME]... [--shard K/N]
 #
 #   --budget S           fuzz campaign time budget (default 600); the shrink phase after it
 #                        runs up to max(60 s, budget/4) more
@@ -11,6 +11,8 @@
 #   --selftest-budget S  seconds per fault for `llmfuzz selftest` (default 60; 0 skips it:
 #                        the CI fuzz job does, because selftest is its own job there)
 #   --layouts, --modes, --seed, --fault   passed to `llmfuzz run`
+#   --shard K/N          passed to `llmfuzz run`: this machine's share of a campaign N run
+#                        between them; ci/merge.sh puts the N results together
 #
 # Writes DIR/summary.json (`llmfuzz run --json`), DIR/reproducers/, DIR/selftest.json,
 # DIR/report.html, DIR/job_summary.md (Markdown: failures and their replay commands).
@@ -24,7 +26,7 @@ set -uo pipefail
 source "$(dirname "$0")/lib.sh"
 
 opt=([budget]=600 [out]=out/nightly [selftest-budget]=60)
-parse_args "budget out selftest-budget" "layouts modes seed fault" "$@"
+parse_args "budget out selftest-budget" "layouts modes seed fault shard" "$@"
 budget=${opt[budget]} out=${opt[out]} selftest_budget=${opt[selftest-budget]}
 is_num "$budget" || die "--budget: '$budget' is not a number of seconds"
 is_num "$selftest_budget" || die "--selftest-budget: '$selftest_budget' is not a number of seconds"

@@ -15,7 +15,7 @@
 #                  of it (shrinking included)
 #   --out DIR      where everything goes (default out/vllm, which .gitignore ignores)
 #   --known FILE   crash signatures known (default: llmfuzz's, the committed reproducers'
-#                  signatures plus fuzz/targets/vllm_known_failures.txt)
+#                  signatures plus fuzz/targets/vllm/known_failures.txt)
 #   --seed N       campaign seed: which configs are drawn (default: the day of the year)
 #
 # Writes DIR/junit-vllm.xml (pytest -m vllm), DIR/summary.json (`llmfuzz run --target vllm
@@ -49,7 +49,7 @@ mkdir -p "$out" || die "cannot create --out $out"
 rm -f "$out/summary.json" "$out/junit-vllm.xml" "$out/job_summary.md"
 
 echo "ci/vllm_nightly.sh: vLLM tests (pytest -m vllm)" >&2
-"$py" -m pytest -q "$root/tests/targets" -m vllm --junitxml "$out/junit-vllm.xml"
+"$py" -m pytest -q "$root/tests/fuzz/targets" -m vllm --junitxml "$out/junit-vllm.xml"
 test_rc=$?
 ((test_rc == 5)) && test_rc=0  # no test selected is not a failure here
 

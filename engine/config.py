@@ -1,7 +1,8 @@
 """EngineConfig: one self-checking dataclass for model shape, cache, scheduler and layout.
 
 Every impossible value is rejected in `__post_init__` with a `ConfigError` whose one-line
-message names the field, so bad input never reaches a rank.
+message names the field, so bad input never reaches a rank. Plain values only: this module
+imports nothing of the engine.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import re
 from dataclasses import dataclass
 
 _DTYPES = ("float32", "float16", "bfloat16", "float64")
-_BACKENDS = ("reference", "torch_flash", "flash_attn")
+_BACKENDS = ("reference", "torch_flash", "flash_attn")  # as engine/attention/selector.py registers them
 _MODES = ("NONE", "FULL")  # PIECEWISE (attention outside the graph) is not built
 _WORLDS = ("inproc", "torch")
 _LAYOUT_RE = re.compile(r"^(?:tp(\d+))?(?:pp(\d+))?$")
@@ -33,6 +34,17 @@ def parse_layout(layout: str) -> tuple[int, int]:
 
 def layout_name(tp: int, pp: int) -> str:
     return f"tp{tp}pp{pp}"
+
+
+def parse_layouts(text: str, base: "EngineConfig") -> list[str]:
+    """'tp2pp4,pp8' -> canonical layout names, each checked against `base` (a one-line
+    ConfigError naming the bad one)."""
+    out = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        tp, pp = parse_layout(item)
+        base.replace(tensor_parallel_size=tp, pipeline_parallel_size=pp)
+        out.append(layout_name(tp, pp))
+    return out
 
 
 @dataclass(slots=True)
@@ -64,6 +76,12 @@ class EngineConfig:
     max_num_batched_tokens: int = 64  # the chunked-prefill token budget per step
     max_model_len: int = 128
     enable_chunked_prefill: bool = True
+    # Share the KV of full blocks between requests with an equal prefix (vLLM v1's automatic
+    # prefix caching, engine/kv_cache.py). Off: scheduling is exactly what it was without it.
+    enable_prefix_caching: bool = False
+    # Schedule step N+1 before step N's sampled tokens are back (vLLM's async_scheduling;
+    # engine/async_sched.py). Off: one step of a request in flight at a time, as before.
+    async_scheduling: bool = False
     attention_backend: str = "reference"
     # Layout and execution.
     tensor_parallel_size: int = 1
@@ -93,6 +111,9 @@ class EngineConfig:
             raise ConfigError(f"rope_theta: must be > 0, got {self.rope_theta!r}")
         if not self.rms_norm_eps >= 0:
             raise ConfigError(f"rms_norm_eps: must be >= 0, got {self.rms_norm_eps!r}")
+        for name in ("enable_prefix_caching", "async_scheduling"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}: must be a bool, got {getattr(self, name)!r}")
         if not self.step_timeout_s > 0:
             raise ConfigError(f"step_timeout_s: must be > 0, got {self.step_timeout_s!r}")
         _choice("dtype", self.dtype, _DTYPES)
@@ -107,12 +128,8 @@ class EngineConfig:
                               f"for speculative_method={self.speculative_method}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"device: {self.device!r} is neither 'cpu' nor 'cuda[:N]'")
-        if self.attention_backend == "flash_attn":
-            # First: on a machine without the package, what to install is the one useful line.
-            from engine.attention.flash_attn_backend import missing_message, probe
-
-            if probe() is None:
-                raise ConfigError(missing_message())
+        # Whether a backend's package is importable is the selector's question
+        # (engine/attention/selector.py), asked before any rank starts.
         if self.attention_backend != "reference":
             if not self.device.startswith("cuda"):
                 raise ConfigError(f"attention_backend: {self.attention_backend} runs on CUDA only (device={self.device})")

@@ -281,4 +281,9 @@ def _shape_inputs(gm: GraphModule, num_inputs: int) -> tuple[int, ...]:
 
 
 def clear_templates() -> None:
+    """Drop the shared traces, and the dispatch cache make_fx's fake mode filled while tracing
+    them (torch's, process-wide and unbounded: an entry per op and input shape traced)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     _TEMPLATES.clear()
+    FakeTensorMode.cache_clear()

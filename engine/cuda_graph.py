@@ -18,25 +18,17 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from engine.cpu_graph import CAPTURE_LOCK
+from engine.outputs import BatchDescriptor
 
 
 class CUDAGraphMode(enum.Enum):
     NONE = "NONE"
     FULL = "FULL"
-
-
-@dataclass(frozen=True, slots=True)
-class BatchDescriptor:
-    """The padded shape a graph was captured for."""
-
-    num_tokens: int
-    num_reqs: int
 
 
 class CudagraphDispatcher:
@@ -98,8 +90,8 @@ class GraphStore:
         with CAPTURE_LOCK:
             # cuBLAS keeps a workspace per (handle, stream) in a process-wide cache. One first
             # made during a capture lives in the graph's pool, and the cache then pins that
-            # pool for good: every engine's graphs leaked their pools (~64 MiB a rank, measured
-            # on an H200). Emptied before, the capture makes its own workspace in its pool;
+            # pool for good: every engine's graphs would leak their pools (~64 MiB a rank,
+            # measured on an H200). Emptied before, the capture makes its own workspace in its pool;
             # emptied after, the cache holds none of it, so the pool goes with the graphs. Only
             # a later capture into this store's pool can reuse the freed workspace (the model's
             # tensors are small-pool blocks, the workspace a large one: in practice the next

@@ -2,11 +2,13 @@
 
 A captured graph (make_fx on CPU) must still run these at replay: attention so its
 FA call is recorded with the scalars the graph baked in, collectives so ranks meet.
-Groups and attention sinks are found through registries keyed by ints, because a custom
-op takes only tensors and scalars. Eager mode goes through the same ops, so graph and
-eager share one code path. `FACallRecord`, what a recorded call looked like, lives here
-beside `_record` (engine.attention.metadata re-exports it): this module imports nothing
-of the metadata module, which imports this one to register the ops.
+A custom op takes only tensors and scalars, so inside a traced graph groups and attention
+sinks are named by int keys into weak registries; eager calls pass the sink itself
+(`attend`). Graph and eager run the same Python function. The sink holds the rank's
+attention backend (engine/attention/selector.py), which `attend` calls after the KV write
+and the record. `FACallRecord`, what a recorded call looked like, lives here beside
+`_record` (engine.attention.metadata re-exports it): this module imports nothing of the
+metadata module, which imports this one to register the ops.
 """
 from __future__ import annotations
 
@@ -18,12 +20,15 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from engine.attention.reference import FA2_PAGED_TILE_Q, PlanCache, reshape_and_cache, varlen_attention
+# The reference backend calls `varlen_attention` by this module's name
+# (engine/attention/selector.py), so a wrapper put on it here sees every call.
+from engine.attention.reference import (FA2_PAGED_TILE_Q, PlanCache, reshape_and_cache,  # noqa: F401
+                                        varlen_attention)
 
 _keys = itertools.count(1)
 # Weak values: the registries only find an engine's groups and sinks while the engine owns
-# them. Strong ones kept every engine ever built alive (its groups reach its world, workers,
-# weights, KV cache and captured graphs): about 5 MB per engine over a long campaign.
+# them. Strong ones would keep every engine ever built alive (its groups reach its world,
+# workers, weights, KV cache and captured graphs): about 5 MB per engine over a long campaign.
 GROUPS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()  # key -> GroupCoordinator
 SINKS: "weakref.WeakValueDictionary[int, AttentionSink]" = weakref.WeakValueDictionary()  # key -> a runner's recording state
 
@@ -124,6 +129,7 @@ class AttentionSink:
     """Per-runner state the attention op reads at call time (host side, not baked)."""
 
     rank: int
+    attn_backend: type  # an engine.attention.selector.AttentionBackend: runs the kernel
     records: list | None = None
     microbatch: int = 0
     graph: bool = False
@@ -134,7 +140,7 @@ class AttentionSink:
     # The memory the reference kernel writes its output into, [max tokens, heads, head_dim]:
     # rows it does not launch keep what an earlier call left there, as GPU memory does.
     attn_out: torch.Tensor | None = None
-    backend: str = "reference"
+    key: int = 0  # its SINKS key, which a traced graph passes the op (set by register_sink)
     _snap: tuple | None = field(default=None, repr=False)  # this forward's metadata copy
     # The reference kernel's launch plan, made by a forward's first layer for all of them,
     # and likewise the KV slots its tokens write (engine/attention/reference.py).
@@ -146,9 +152,17 @@ class AttentionSink:
         self.plans.clear()
         self.slot_plans.clear()
 
+    def output_memory(self, q: torch.Tensor) -> torch.Tensor | None:
+        """The output memory when it fits this call (a drafter's or a test's call may have
+        other shapes: those get NaN for rows not launched)."""
+        m = self.attn_out
+        if m is None or m.shape[0] < q.shape[0] or m.shape[1:] != q.shape[1:] or m.dtype != q.dtype:
+            return None
+        return m
+
 
 def register_sink(sink: AttentionSink) -> int:
-    key = next(_keys)
+    sink.key = key = next(_keys)
     SINKS[key] = sink
     return key
 
@@ -215,24 +229,29 @@ def _(t, group, dim, world_size):
     return t.new_empty(shape)
 
 
-def unified_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                      block_table: torch.Tensor, slot_mapping: torch.Tensor, max_seqlen_q: int,
-                      max_seqlen_k: int, scale: float, sink: int, layer: int) -> torch.Tensor:
-    s = SINKS.get(sink)
-    reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, s.slot_plans if s is not None else None)
-    if s is not None and s.records is not None:
-        s.records.append(_record(s, layer, q, k_cache, query_start_loc, seq_lens, block_table,
-                                 slot_mapping, max_seqlen_q, max_seqlen_k))
-    if s is not None and s.backend != "reference":
-        from engine.attention.torch_flash import BACKENDS
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+           slot_mapping: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, scale: float,
+           sink: AttentionSink, layer: int) -> torch.Tensor:
+    """One layer's attention: write the new keys and values, record the call (when the
+    runner records), run the sink's backend."""
+    reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, sink.slot_plans)
+    if sink.records is not None:
+        sink.records.append(_record(sink, layer, q, k_cache, query_start_loc, seq_lens, block_table,
+                                    slot_mapping, max_seqlen_q, max_seqlen_k))
+    return sink.attn_backend.forward(sink, q, k_cache, v_cache, query_start_loc, max_seqlen_q, seq_lens,
+                                     max_seqlen_k, block_table, scale)
 
-        return BACKENDS[s.backend](q, k_cache, v_cache, query_start_loc, max_seqlen_q, seq_lens,
-                                   max_seqlen_k, block_table, scale)
-    return varlen_attention(q, k_cache, v_cache, query_start_loc, max_seqlen_q, seq_lens, max_seqlen_k,
-                            block_table, scale, causal=True, tile_q=s.tile_q if s is not None else None,
-                            key_len_pad=s.key_len_pad if s is not None else None,
-                            out=_out_memory(s, q), plans=s.plans if s is not None else None)
+
+def unified_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                           v_cache: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                           block_table: torch.Tensor, slot_mapping: torch.Tensor, max_seqlen_q: int,
+                           max_seqlen_k: int, scale: float, sink: int, layer: int) -> torch.Tensor:
+    """`attend` as the op sees it: a custom op's arguments are tensors and scalars only, so a
+    traced graph names the sink by its SINKS key (rebound to each rank's own sink when a trace
+    is shared, engine/cpu_graph.py)."""
+    return attend(q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping,
+                  max_seqlen_q, max_seqlen_k, scale, SINKS[sink], layer)
 
 
 unified_attention = torch.library.custom_op("llmfuzz::unified_attention", unified_attention_impl,
@@ -240,15 +259,6 @@ unified_attention = torch.library.custom_op("llmfuzz::unified_attention", unifie
 # What a replayed trace calls instead of each op (engine/cpu_graph.py): the op's own function.
 EAGER_IMPLS = {"llmfuzz::unified_attention": unified_attention_impl, "llmfuzz::all_reduce": all_reduce_impl,
                "llmfuzz::all_gather": all_gather_impl, "llmfuzz::reduce_scatter": reduce_scatter_impl}
-
-
-def _out_memory(s: AttentionSink | None, q: torch.Tensor) -> torch.Tensor | None:
-    """The sink's output memory when it fits this call (a drafter's or a test's call may
-    have other shapes: those get NaN for rows not launched)."""
-    m = None if s is None else s.attn_out
-    if m is None or m.shape[0] < q.shape[0] or m.shape[1:] != q.shape[1:] or m.dtype != q.dtype:
-        return None
-    return m
 
 
 @unified_attention.register_fake
@@ -267,4 +277,4 @@ def _record(s: AttentionSink, layer, q, k_cache, qsl, seq_lens, bt, sm, max_q, m
         q_stride=tuple(q.stride()), kv_shape=tuple(k_cache.shape), kv_stride=tuple(k_cache.stride()),
         dtype=str(q.dtype).removeprefix("torch."), device=str(q.device), max_seqlen_q=int(max_q),
         max_seqlen_k=int(max_k), num_reqs=s.num_reqs, num_actual_tokens=s.num_actual_tokens,
-        cu_seqlens_q=cu, seqused_k=sl, block_table=btc, slot_mapping=smc, backend=s.backend)
+        cu_seqlens_q=cu, seqused_k=sl, block_table=btc, slot_mapping=smc, backend=s.attn_backend.name)

@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 from engine.config import EngineConfig
 from engine.executor import ExecutorMessages
 from engine.dist_worker_main import STARTUP_TIMEOUT_S, recv_msg, send_msg, worker_main
-from engine.inproc_world import RankFailure
+from engine.outputs import RankFailure
 from engine.schedule import Schedule
 
 STOP_TIMEOUT_S = 5.0
@@ -205,6 +205,10 @@ class DistExecutor(ExecutorMessages):
             self._start()  # a failed Case cost its processes; the next one gets fresh ranks
         self._broadcast(("reset", tuple(faults), schedule.copy_delay == 0.0, poison, schedule))
         self._wait(("reset",), "reset")
+        # A Case that ended early (a violation, an abort of the run) may have left microbatches
+        # in flight: the ranks finished them before the reset, and their results must not be
+        # collected as the next Case's (its microbatch ids start again at 0).
+        self.results.clear()
 
     def shutdown(self) -> None:
         """Stop the workers, join them within a bound, kill stragglers. Idempotent."""

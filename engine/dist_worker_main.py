@@ -22,8 +22,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig
-from engine.executor import make_groups
-from engine.parallel_state import GroupCoordinator, pp_group_ranks, tp_group_ranks
+from engine.parallel_state import GroupCoordinator, make_groups, pp_group_ranks, tp_group_ranks
 from engine.schedule import Schedule, ScheduleDriver
 from engine.worker import Channel, Worker
 
@@ -93,12 +92,7 @@ class DistGroup(GroupCoordinator):
         src = self.ranks[src_in_group]
         box = [None]
         dist.recv_object_list(box, src=src, group=self.pg, device=self.device)
-
-        def fill(s: _TensorSlot) -> torch.Tensor:
-            t = torch.empty(s.shape, dtype=s.dtype, device=self.device)
-            dist.recv(t, src=src, group=self.pg)
-            return t
-        return _join(box[0], fill)
+        return self._fill(box[0], dist.recv, src)
 
     def _broadcast_obj(self, obj, src_in_group: int):
         src = self.ranks[src_in_group]
@@ -110,12 +104,16 @@ class DistGroup(GroupCoordinator):
             return obj
         box = [None]
         dist.broadcast_object_list(box, src=src, group=self.pg, device=self.device)
+        return self._fill(box[0], dist.broadcast, src)
 
+    def _fill(self, skeleton, op, src: int):
+        """The object whose tensors `skeleton` left as slots, each slot received by `op`
+        (dist.recv or dist.broadcast) from global rank `src`, in the order they were sent."""
         def fill(s: _TensorSlot) -> torch.Tensor:
             t = torch.empty(s.shape, dtype=s.dtype, device=self.device)
-            dist.broadcast(t, src=src, group=self.pg)
+            op(t, src=src, group=self.pg)
             return t
-        return _join(box[0], fill)
+        return _join(skeleton, fill)
 
 
 def new_process_groups(cfg: EngineConfig) -> dict[tuple, object]:

@@ -30,15 +30,15 @@ the best (bench/spec_acceptance.py). A checkpoint's target (model_path) still ge
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionContext, AttentionMetadataBuilder, CommonAttentionMetadata
+from engine.attention.selector import AttentionBackend
 from engine.config import EngineConfig
 from engine.custom_ops import AttentionSink, register_sink
 from engine.model import LlamaLayer, accum_dtype, linear, rms_norm
+from engine.outputs import EagleInputs
 from engine.parallel_state import RankGroups, SoloGroup
 from engine.poison import KV_POISON, fill_floats
 from engine.spec_decode import verify_greedy
@@ -69,43 +69,11 @@ def make_draft_state_dict(cfg: EngineConfig) -> dict[str, torch.Tensor]:
     return {k: v.to(cfg.torch_dtype()) for k, v in sd.items()}
 
 
-@dataclass(slots=True)
-class EagleInputs:
-    """Host inputs of one microbatch's proposal, taken at prepare time (with PP the host
-    may prepare the next microbatch into the persistent InputBatch before this one runs)."""
-
-    next_token_ids: torch.Tensor  # [T] the token after each scheduled token (sampled rows: filled later)
-    batch_rows: list[int]  # batch row of each sampling request
-    first_positions: list[int]  # position of its first logits row
-    drafts: list[list[int]]  # the drafts it verifies this step
-    sample_rows: list[int]  # its number of logits rows (1 + drafts)
-    logits_indices: list[int]  # token index of every logits row
-
-    @classmethod
-    def build(cls, token_ids: torch.Tensor, req_idx: torch.Tensor, pos: torch.Tensor, seq_lens: torch.Tensor,
-              samples: list[int], sample_rows: list[int], drafts: list[list[int]], logits_indices: list[int],
-              max_model_len: int) -> "EagleInputs":
-        nxt = token_ids[req_idx, (pos + 1).clamp(max=max_model_len - 1)]  # a copy, not a view
-        return cls(nxt, list(samples), [int(seq_lens[i]) - r for i, r in zip(samples, sample_rows)],
-                   drafts, list(sample_rows), list(logits_indices))
-
-    def draft_from(self, argmax: list[int], k: int, max_model_len: int) -> tuple[list[int], list[int]]:
-        """Per sampling request: the token index to draft from -- the last position this
-        rank's own greedy verification keeps (the driver's may differ under teacher forcing;
-        it then drops these drafts) -- and how many drafts fit below max_model_len."""
-        rows, num, i = [], [], 0
-        for r, drafts, p0 in zip(self.sample_rows, self.drafts, self.first_positions):
-            a = len(verify_greedy(drafts, argmax[i:i + r])) - 1
-            rows.append(self.logits_indices[i + a])
-            num.append(max(0, min(k, max_model_len - (p0 + a + 2))))  # p0 + a + 2 tokens known
-            i += r
-        return rows, num
-
-
 class EagleProposer:
     """Draft head of one last-stage rank: its own layer, KV cache and attention metadata."""
 
-    def __init__(self, cfg: EngineConfig, target_sd: dict, rank: int, records: list | None) -> None:
+    def __init__(self, cfg: EngineConfig, target_sd: dict, rank: int, records: list | None,
+                 attn_backend: type[AttentionBackend]) -> None:
         self.cfg, self.k = cfg, cfg.num_speculative_tokens
         self.layer_idx = cfg.num_hidden_layers
         # The head is unsharded: a tp1pp1 view of the config and groups of one rank.
@@ -129,8 +97,8 @@ class EagleProposer:
         self.kv_caches = {self.layer_idx: (torch.zeros(shape, dtype=cfg.torch_dtype(), device=dev),
                                            torch.zeros(shape, dtype=cfg.torch_dtype(), device=dev))}
         # Its own sink (same record list as the runner's): its calls are checked like the target's.
-        self.sink = AttentionSink(rank, records, key_len_pad=cfg.max_model_len, backend=cfg.attention_backend)
-        self.sink_key = register_sink(self.sink)
+        self.sink = AttentionSink(rank, attn_backend, records, key_len_pad=cfg.max_model_len)
+        register_sink(self.sink)
         self.builder = AttentionMetadataBuilder()
         self.scale = D ** -0.5
         self.last_metadata: list[CommonAttentionMetadata] = []  # of the last propose(), for tests
@@ -138,6 +106,18 @@ class EagleProposer:
     def reset(self, poison: str) -> None:
         for i, t in enumerate(self.kv_caches[self.layer_idx]):
             fill_floats(t, poison, f"draft_kv{i}", nan_value=KV_POISON)
+
+    def draft_from(self, e: EagleInputs, argmax: list[int]) -> tuple[list[int], list[int]]:
+        """Per sampling request: the token index to draft from -- the last position this
+        rank's own greedy verification keeps (the driver's may differ under teacher forcing;
+        it then drops these drafts) -- and how many drafts fit below max_model_len."""
+        rows, num, i = [], [], 0
+        for r, drafts, p0 in zip(e.sample_rows, e.drafts, e.first_positions):
+            a = len(verify_greedy(drafts, argmax[i:i + r])) - 1
+            rows.append(e.logits_indices[i + a])
+            num.append(max(0, min(self.k, self.cfg.max_model_len - (p0 + a + 2))))  # p0 + a + 2 tokens known
+            i += r
+        return rows, num
 
     def step_metadata(self, positions: torch.Tensor, block_table: torch.Tensor) -> CommonAttentionMetadata:
         """One query token per request at `positions`; it attends to keys 0..position and
@@ -159,7 +139,7 @@ class EagleProposer:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), -1)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        attn = AttentionContext(md, self.kv_caches, self.scale, self.sink_key)
+        attn = AttentionContext(md, self.kv_caches, self.scale, self.sink)
         out, residual = self.layer.forward(positions, x, None, cos, sin, attn)
         return out + residual
 

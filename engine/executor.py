@@ -10,24 +10,10 @@ from collections import deque
 
 from engine.config import EngineConfig
 from engine.inproc_world import InProcGroup, InProcWorld
-from engine.parallel_state import (RankGroups, SoloGroup, pp_group_ranks, rank_coords,
-                                   tp_group_ranks)
+from engine.parallel_state import make_groups
 from engine.schedule import Schedule
 from engine.weights import load_state_dict
 from engine.worker import Channel, Worker
-
-
-def make_groups(cfg: EngineConfig, rank: int, group_factory) -> RankGroups:
-    """The tp, pp and world groups of `rank`; group_factory(ranks, rank, name) -> group."""
-    tp_rank, pp_rank = rank_coords(rank, cfg.tp)
-
-    def grp(ranks: list[int], name: str):
-        return SoloGroup(rank, name) if len(ranks) == 1 else group_factory(ranks, rank, name)
-
-    return RankGroups(rank=rank, tp_rank=tp_rank, pp_rank=pp_rank,
-                      tp=grp(tp_group_ranks(pp_rank, cfg.tp), "tp"),
-                      pp=grp(pp_group_ranks(tp_rank, cfg.tp, cfg.pp), "pp"),
-                      world=grp(list(range(cfg.world_size)), "world"))
 
 
 class _InProcChannel(Channel):
@@ -114,6 +100,10 @@ class InProcExecutor(ExecutorMessages):
         self.world.set_schedule(schedule)
         self._broadcast(("reset", tuple(faults), schedule.copy_delay == 0.0, poison))
         self._wait(("reset",), "reset")
+        # A Case that ended early (a violation, an abort of the run) may have left microbatches
+        # in flight: the ranks finished them before the reset, and their results must not be
+        # collected as the next Case's (its microbatch ids start again at 0).
+        self.results.clear()
 
     def shutdown(self) -> None:
         # Graceful stop only when every rank is parked; a rank caught mid-step (Ctrl-C while

@@ -17,11 +17,12 @@ from engine import cpu_graph
 from engine.attention.fa_contract import check_varlen_args
 from engine.attention.metadata import AttentionMetadataBuilder, CommonAttentionMetadata, FACallRecord
 from engine.config import EngineConfig
-from engine.cuda_graph import BatchDescriptor, GraphStore
+from engine.cuda_graph import GraphStore
 from engine.custom_ops import AttentionSink
 from engine.faults import CAPTURE_FAULTS, CAPTURE_METADATA_BAKED, GRAPH_STALE_MAX_SEQLEN, FaultSet
-from engine.input_prep import InputBuffers, PreparedBatch
+from engine.input_prep import InputBuffers
 from engine.model import LlamaForCausalLM
+from engine.outputs import BatchDescriptor, PreparedBatch
 
 # Config fields a captured forward does not bake. max_model_len and block_size reach it only
 # through the attention op: the baked max_seqlen_k (a lifted input of the layer trace), the
@@ -45,11 +46,10 @@ class CUDAGraphRunner:
 
     def __init__(self, cfg: EngineConfig, faults: FaultSet, model: LlamaForCausalLM, kv_caches: dict,
                  bufs: InputBuffers, builder: AttentionMetadataBuilder, sink: AttentionSink,
-                 parts, with_drafter: bool, sink_key: int,
-                 forward_scalars: Callable[[], tuple]) -> None:
+                 parts, with_drafter: bool, forward_scalars: Callable[[], tuple]) -> None:
         self.cfg, self.faults, self.model, self.kv_caches = cfg, faults, model, kv_caches
         self.bufs, self.builder, self.sink, self.parts = bufs, builder, sink, parts
-        self.with_drafter, self.sink_key = with_drafter, sink_key
+        self.with_drafter = with_drafter
         # Python values of the runner the forward reads (the attention scale): part of the
         # key a trace is shared under, since a trace bakes them.
         self.forward_scalars = forward_scalars
@@ -83,7 +83,7 @@ class CUDAGraphRunner:
             # Each run makes its own launch plan (engine/attention/reference.py): a GPU capture
             # runs fn to warm up and then to capture, on the same buffers, and a plan reused
             # from the warm-up is made outside the graph: every replay would read the warm-up
-            # batch's plan (found on the H200: graph != eager at tp1pp2).
+            # batch's plan (on a GPU, graph != eager at tp1pp2).
             self.sink.plans.clear()
             md = CommonAttentionMetadata(qsl, sl, bt, sm, R, T, max_q, max_k)
             return self.parts._forward(md, ids, pos, h, r)
@@ -135,11 +135,11 @@ class CUDAGraphRunner:
         list is fixed here, as a CUDA graph fixes its kernels. A layer's trace is keyed by its
         code path, not by its index or stage, so every layer of every stage, TP rank and
         pooled engine with the same shapes, options and baked scalars replays one trace: a
-        pp8 capture traces one layer where it traced eight (tracing was 84 % of a cold pp8
+        pp8 capture traces one layer, not eight (tracing each would be 84 % of a cold pp8
         capture's time, measured)."""
         p, m, g = self.parts, self.model, self.model.g
         qsl, sl, bt, sm, ids, pos, h, r = bufs
-        roles = {"sink": self.sink_key, "tp": g.tp.op_key, "pp": g.pp.op_key, "world": g.world.op_key}
+        roles = {"sink": self.sink.key, "tp": g.tp.op_key, "pp": g.pp.op_key, "world": g.world.op_key}
         # The scalars this capture bakes reach the forward only as attention-op arguments:
         # lifted to inputs of the layer trace (replayed with this capture's values), they
         # leave it shareable by every capture of the same padded token count.

@@ -20,8 +20,10 @@ import threading
 from collections import deque
 
 from engine.config import EngineConfig
-from engine.executor import ExecutorMessages, make_groups
-from engine.inproc_world import RankFailure, land_scheduled_copies
+from engine.executor import ExecutorMessages
+from engine.inproc_world import land_scheduled_copies
+from engine.outputs import RankFailure
+from engine.parallel_state import make_groups
 from engine.schedule import Schedule, ScheduleDriver
 from engine.weights import load_state_dict
 from engine.worker import Channel, Worker
@@ -143,6 +145,10 @@ class InlineExecutor(ExecutorMessages):
         self.sched = ScheduleDriver(schedule)
         self._broadcast(("reset", tuple(faults), schedule.copy_delay == 0.0, poison))
         self._wait(("reset",), "reset")
+        # A Case that ended early (a violation, an abort of the run) may have left microbatches
+        # in flight: the ranks finished them before the reset, and their results must not be
+        # collected as the next Case's (its microbatch ids start again at 0).
+        self.results.clear()
 
     def shutdown(self) -> None:
         self.gen.close()

@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from engine.outputs import RankFailure
 from engine.parallel_state import GroupCoordinator
 from engine.schedule import Schedule, ScheduleDriver
 
@@ -28,14 +29,6 @@ def land_scheduled_copies(copiers, sched: ScheduleDriver) -> None:
         if c is not None and not c.land_immediately:
             while c.stream and sched.land_now() and c.land_head():
                 pass
-
-
-class RankFailure(RuntimeError):
-    """A rank raised, hung or deadlocked; `ranks` names them."""
-
-    def __init__(self, kind: str, ranks: list[int], detail: str) -> None:
-        self.kind, self.ranks, self.detail = kind, ranks, detail
-        super().__init__(f"{kind} on rank(s) {ranks}: {detail}")
 
 
 class _Shutdown(BaseException):
@@ -188,6 +181,7 @@ class InProcGroup(GroupCoordinator):
         self.world = world
         self.key = (name, tuple(ranks))
         self.seq = 0
+        self.arrived: list[int] = list(range(self.world_size))  # of the last gather (`_arrival_order`)
 
     def _exchange(self, value, src: int | None) -> list:
         """Deposit `value` (all members, or only `src`), wait, return the list by group rank."""
@@ -199,6 +193,8 @@ class InProcGroup(GroupCoordinator):
         need = self.world_size if src is None else 1
         w.wait_for(self.rank, lambda: len(slot) >= need, f"{self.name} collective #{key[1]}")
         out = [slot[i] for i in sorted(slot)]
+        if src is None:
+            self.arrived = list(slot)  # deposit order: the order the Schedule ran the ranks in
         w.reads[key] = w.reads.get(key, 0) + 1
         if w.reads[key] == self.world_size:
             del w.slots[key], w.reads[key]
@@ -206,6 +202,9 @@ class InProcGroup(GroupCoordinator):
 
     def _gather_list(self, t: torch.Tensor) -> list[torch.Tensor]:
         return self._exchange(t.clone(), None)
+
+    def _arrival_order(self) -> list[int]:
+        return self.arrived
 
     def _broadcast_obj(self, obj, src_in_group: int):
         return self._exchange(obj, src_in_group)[0]

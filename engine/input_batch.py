@@ -1,8 +1,9 @@
 """InputBatch: the persistent per-request rows a rank keeps across steps, and CpuGpuBuffer.
 
 Rows hold exactly the requests of the microbatch being prepared. `swap_states` moves every
-per-request row together (token ids, counts, block-table row, id), because a request
-attended or sampled with another request's state is docs/bug_classes.md#reorder_partial_swap.
+per-request row together (token ids, counts, block-table row, id, sampling columns), because
+a request attended or sampled with another request's state is
+docs/bug_classes.md#reorder_partial_swap (and #sampling_penalty_stale_row).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 
 from engine.async_copy import AsyncCopier, CopyHandle
 from engine.poison import fill_ints
-
+from engine.sample.state import RequestSamplingState, SamplingRows
 
 
 class CpuGpuBuffer:
@@ -42,6 +43,7 @@ class CachedRequestState:
     token_ids: list[int]
     block_ids: list[int]
     num_computed_tokens: int
+    sampling: RequestSamplingState | None = None  # None: plain greedy
 
 
 class BlockTable:
@@ -63,15 +65,18 @@ class BlockTable:
 
 class InputBatch:
     """Persistent rows: req_ids[i], token_ids[i], num_tokens[i], num_computed_tokens[i],
-    block table row i. `num_scheduled[i]` is this microbatch's token count for row i."""
+    block table row i, sampling columns row i. `num_scheduled[i]` is this microbatch's token
+    count for row i. `sampling` also keeps each request's sampling state until it finishes."""
 
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks: int, pin: bool = False) -> None:
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks: int, pin: bool = False,
+                 vocab_size: int | None = None, seed: int = 0, device: str = "cpu") -> None:
         self.max_num_reqs = max_num_reqs
         self.token_ids = torch.zeros(max_num_reqs, max_model_len, dtype=torch.int64)
         self.num_tokens = [0] * max_num_reqs
         self.num_computed_tokens = [0] * max_num_reqs
         self.num_scheduled = [0] * max_num_reqs
         self.block_table = BlockTable(max_num_reqs, max_blocks, pin)
+        self.sampling = SamplingRows(max_num_reqs, vocab_size, seed, device)
         self.req_ids: list[str] = []
 
     @property
@@ -90,6 +95,7 @@ class InputBatch:
         self.num_computed_tokens[row] = st.num_computed_tokens
         self.num_scheduled[row] = num_scheduled
         self.block_table.set_row(row, st.block_ids)
+        self.sampling.add_row(row, st.sampling, st.token_ids)
         return row
 
     def swap_states(self, i: int, j: int, *, swap_block_table: bool = True) -> None:
@@ -101,6 +107,7 @@ class InputBatch:
             arr[i], arr[j] = arr[j], arr[i]
         if swap_block_table:
             self.block_table.swap_row(i, j)
+        self.sampling.swap(i, j)
 
     def reorder_batch(self, *, swap_block_table: bool = True) -> None:
         """Decodes (one scheduled token) first, then prefills, by swapping rows in place."""

@@ -9,37 +9,18 @@ docs/bug_classes.md#pp_shared_staging_buffer.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from engine.async_copy import AsyncCopier, CopyHandle
+from engine.async_sched import PLACEHOLDER_TOKEN_ID
 from engine.attention.metadata import AttentionMetadataBuilder, CommonAttentionMetadata
 from engine.config import EngineConfig
-from engine.cuda_graph import BatchDescriptor, CudagraphDispatcher
-from engine.eagle import EagleInputs
-from engine.faults import (PP_SHARED_STAGING_BUFFER, PP_STALE_NEW_TOKEN_IDS, REORDER_PARTIAL_SWAP,
+from engine.cuda_graph import CudagraphDispatcher
+from engine.faults import (ASYNC_PLACEHOLDER_NOT_REPLACED, PP_SHARED_STAGING_BUFFER, PP_STALE_NEW_TOKEN_IDS, REORDER_PARTIAL_SWAP,
                            STALE_QUERY_START_LOC_TAIL, FaultSet)
 from engine.input_batch import CachedRequestState, CpuGpuBuffer, InputBatch
+from engine.outputs import BatchDescriptor, EagleInputs, PreparedBatch, SchedulerOutput
 from engine.poison import fill_ints
-from engine.scheduler import SchedulerOutput
-
-
-@dataclass(slots=True)
-class PreparedBatch:
-    microbatch: int
-    num_reqs: int
-    num_actual_tokens: int
-    num_padded_tokens: int
-    num_reqs_padded: int
-    graph: BatchDescriptor | None  # replay this captured size; None = eager
-    max_query_len: int
-    max_seq_len: int
-    logits_indices: torch.Tensor
-    sample_req_ids: list[str]
-    sample_rows: list[int]  # logits rows per sampled request (1 + number of drafts)
-    num_tokens: dict[str, int]
-    eagle: EagleInputs | None = None
 
 
 class InputBuffers:
@@ -91,7 +72,8 @@ class InputPreparer:
         R = cfg.max_num_seqs
         self.requests: dict[str, CachedRequestState] = {}
         self.input_batch = InputBatch(R, cfg.max_model_len, cfg.max_blocks_per_req,
-                                      pin=cfg.device.startswith("cuda"))
+                                      pin=cfg.device.startswith("cuda"), vocab_size=cfg.vocab_size,
+                                      seed=cfg.seed, device=cfg.device)
         # Sizes past the token budget are never captured (vLLM caps them the same way): the
         # static buffers hold max_num_batched_tokens (+ SP padding) rows.
         sizes = [s for s in cfg.capture_sizes if s <= cfg.max_num_batched_tokens]
@@ -99,6 +81,7 @@ class InputPreparer:
             sizes if cfg.cudagraph_mode == "FULL" else (), R,
             multiple_of=cfg.tp if cfg.sequence_parallel else 1)
         self._staging_copies: list[CopyHandle] = []
+        self._added_order: list[str] = []  # the batch's requests before the reorder
 
     def reset(self, poison: str) -> None:
         """Forget all requests and poison the persistent rows and buffers (after the copier
@@ -114,6 +97,7 @@ class InputPreparer:
         self._wait_for_staging_copies()
         self._update_states(so)
         ib = self._fill_input_batch(so)
+        req_id_to_index = self._req_id_to_index(ib)
         R = ib.num_reqs
         ns = torch.tensor(ib.num_scheduled[:R], dtype=torch.int64)
         nc = torch.tensor(ib.num_computed_tokens[:R], dtype=torch.int64)
@@ -128,7 +112,7 @@ class InputPreparer:
         sample_req_ids = [ib.req_ids[i] for i in samples]
         self._write_staging(ib, req_idx, pos, cu, seq_lens, T_pad, R_pad)
         self._copy_staging(so.microbatch, T_pad, R_pad)
-        eagle = None if not self.with_eagle else EagleInputs.build(  # host inputs: taken now
+        eagle = None if not self.with_eagle else _eagle_inputs(  # host inputs: taken now
             ib.token_ids, req_idx, pos, seq_lens, samples, sample_rows,
             [list(so.scheduled_spec_decode_tokens.get(rid, ())) for rid in sample_req_ids],
             logits_indices, self.cfg.max_model_len)
@@ -138,7 +122,9 @@ class InputPreparer:
             max_query_len=int(ns.max()), max_seq_len=int(seq_lens.max()),
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=self.cfg.device),
             sample_req_ids=sample_req_ids, sample_rows=sample_rows,
-            num_tokens={ib.req_ids[i]: ib.num_tokens[i] for i in samples}, eagle=eagle)
+            num_tokens={ib.req_ids[i]: ib.num_tokens[i] for i in samples}, eagle=eagle,
+            placeholder_fills=self._placeholder_fills(ib, req_idx, T), sample_batch_rows=samples,
+            req_id_to_index={rid: req_id_to_index[rid] for rid in sample_req_ids})
 
     def _wait_for_staging_copies(self) -> None:
         """The previous microbatch's copies read the staging buffers (the InputBatch block
@@ -152,9 +138,12 @@ class InputPreparer:
     def _update_states(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids | so.preempted_req_ids:
             self.requests.pop(rid, None)
+        sampling = self.input_batch.sampling
+        sampling.drop(so.finished_req_ids)  # a preempted request resumes with its generator
         for nr in so.scheduled_new_reqs:
-            self.requests[nr.req_id] = CachedRequestState(nr.req_id, list(nr.token_ids),
-                                                          list(nr.block_ids), nr.num_computed_tokens)
+            self.requests[nr.req_id] = CachedRequestState(
+                nr.req_id, list(nr.token_ids), list(nr.block_ids), nr.num_computed_tokens,
+                sampling.request_state(nr.req_id, nr.sampling_params, nr.token_ids))
         c = so.scheduled_cached_reqs
         for rid, toks, blocks, ncomp in zip(c.req_ids, c.new_token_ids, c.new_block_ids, c.num_computed_tokens):
             st = self.requests[rid]
@@ -178,8 +167,26 @@ class InputPreparer:
             if drafts:  # drafts are inputs of this step only, after the known tokens
                 N = ib.num_tokens[row]
                 ib.token_ids[row, N:N + len(drafts)] = torch.tensor(drafts, dtype=torch.int64)
+        self._added_order = list(ib.req_ids)
         self._reorder_batch(ib)
         return ib
+
+    def _req_id_to_index(self, ib: InputBatch) -> dict[str, int]:
+        """Each request's batch row as the step's sampled tokens will be laid out: after the
+        reorder. The map taken before it (rows as requests were added) makes a later step's
+        placeholder read the token of whichever request sat in that row
+        (docs/bug_classes.md#async_placeholder_not_replaced)."""
+        if self.faults.on(ASYNC_PLACEHOLDER_NOT_REPLACED):
+            return {rid: i for i, rid in enumerate(self._added_order)}
+        return {rid: i for i, rid in enumerate(ib.req_ids)}
+
+    def _placeholder_fills(self, ib: InputBatch, req_idx: torch.Tensor, T: int) -> list[tuple[int, str]]:
+        """Input index and request of each placeholder this step reads (async scheduling; an
+        engine built without it never schedules one, and skips the scan on every step)."""
+        if not self.cfg.async_scheduling:
+            return []
+        at = (self.bufs.input_ids.cpu[:T] == PLACEHOLDER_TOKEN_ID).nonzero().squeeze(1).tolist()
+        return [(i, ib.req_ids[int(req_idx[i])]) for i in at]
 
     def _reorder_batch(self, ib: InputBatch) -> None:
         """Decodes first. A request's rows move together, its block-table row included (token
@@ -243,3 +250,12 @@ class InputPreparer:
             b.slot_mapping.copy_to_gpu(cp, T_pad), b.query_start_loc.copy_to_gpu(cp, R_pad + 1),
             b.seq_lens.copy_to_gpu(cp, R_pad), cp.copy(b.block_table[:R_pad], table[:R_pad])]
         cp.launch(microbatch)
+
+
+def _eagle_inputs(token_ids: torch.Tensor, req_idx: torch.Tensor, pos: torch.Tensor, seq_lens: torch.Tensor,
+                  samples: list[int], sample_rows: list[int], drafts: list[list[int]], logits_indices: list[int],
+                  max_model_len: int) -> EagleInputs:
+    """The EAGLE proposal's host inputs (engine/eagle.py), from this batch's host tensors."""
+    nxt = token_ids[req_idx, (pos + 1).clamp(max=max_model_len - 1)]  # a copy, not a view
+    return EagleInputs(nxt, list(samples), [int(seq_lens[i]) - r for i, r in zip(samples, sample_rows)],
+                       drafts, list(sample_rows), list(logits_indices))

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from engine.config import EngineConfig
 from engine.custom_ops import tp_all_gather, tp_all_reduce, tp_reduce_scatter
+from engine.faults import SPLIT_K_BY_BATCH_SIZE, FaultSet
 from engine.parallel_state import RankGroups
 from engine.weights import layer_names
 
@@ -61,8 +62,8 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     (one row is a GEMV, a few rows another kernel), whose blocking would change low bits
     with the batch size: graph padding and batch mixes stay bitwise equal
     (tests/engine/test_batch_invariance.py). One mm over the padded rows is what
-    torch.matmul made of the [tiles, ROW_TILE, K] view this used to pass it (it folds the
-    tiles into rows), without its five view ops. Weights are kept in the accumulation dtype,
+    torch.matmul makes of a [tiles, ROW_TILE, K] view (it folds the tiles into rows),
+    without the view ops. Weights are kept in the accumulation dtype,
     so splitting output columns (TP) or K (row-parallel partials) changes nothing but that
     final rounding."""
     n, dtype = x.shape[0], x.dtype
@@ -121,12 +122,21 @@ class LlamaLayer:
         self.acc = accum_dtype(cfg.dtype)
         for name in ("wqkv", "wo", "wgate_up", "wdown"):
             setattr(self, name, getattr(self, name).to(self.acc))
+        self.faults = FaultSet()  # the runner's, set with each Case's (GPUModelRunner.faults)
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The layer's GEMMs: one pass over K whatever the batch size (`linear`)."""
+        if self.faults.on(SPLIT_K_BY_BATCH_SIZE) and x.shape[0] < ROW_TILE:
+            # A split-K path for small batches, its two partials added in the activation dtype.
+            k, act = x.shape[1] // 2, self.cfg.torch_dtype()
+            return (linear(x[:, :k], w[:, :k]).to(act) + linear(x[:, k:], w[:, k:]).to(act)).to(x.dtype)
+        return linear(x, w)
 
     def _gather_seq(self, x: torch.Tensor) -> torch.Tensor:
         return tp_all_gather(self.g.tp, x, 0) if self.cfg.sequence_parallel else x
 
     def _row_parallel(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        partial = linear(x.to(self.acc), w)  # stays wide until after the reduction
+        partial = self._linear(x.to(self.acc), w)  # stays wide until after the reduction
         if self.cfg.sequence_parallel:
             out = tp_reduce_scatter(self.g.tp, partial, 0)
         else:
@@ -140,7 +150,7 @@ class LlamaLayer:
         x = self._gather_seq(rms_norm(residual, self.ln1, eps))
         T = x.shape[0]
         nq, nkv = self.num_heads * D, self.num_kv_heads * D
-        qkv = linear(x, self.wqkv)
+        qkv = self._linear(x, self.wqkv)
         # q and k heads rotate as one tensor: RoPE is elementwise per head, so the bits are
         # those of two calls, for half the small ops of a tiny model's layer.
         qk = apply_rope(qkv[:, :nq + nkv].view(T, self.num_heads + self.num_kv_heads, D), cos, sin)
@@ -150,7 +160,7 @@ class LlamaLayer:
         hidden = self._row_parallel(o.reshape(T, self.num_heads * D), self.wo)
         residual = hidden + residual
         x = self._gather_seq(rms_norm(residual, self.ln2, eps))
-        gate, up = linear(x, self.wgate_up).split([self.inter, self.inter], dim=-1)
+        gate, up = self._linear(x, self.wgate_up).split([self.inter, self.inter], dim=-1)
         return self._row_parallel(F.silu(gate) * up, self.wdown), residual
 
 

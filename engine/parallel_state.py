@@ -13,6 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.config import EngineConfig
+from engine.faults import ALLREDUCE_ARRIVAL_ORDER, FaultSet
+
 
 @dataclass(slots=True)
 class _TensorMeta:
@@ -30,6 +33,7 @@ class GroupCoordinator(abc.ABC):
         self.rank_in_group = self.ranks.index(rank)
         self.world_size = len(self.ranks)
         self.name = name
+        self.faults = FaultSet()  # the runner's, set with each Case's (GPUModelRunner.faults)
         from engine.custom_ops import register_group
 
         self.op_key = register_group(self)  # how graph-capturable custom ops find this group
@@ -38,6 +42,11 @@ class GroupCoordinator(abc.ABC):
     @abc.abstractmethod
     def _gather_list(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Every member's tensor, in group rank order."""
+
+    def _arrival_order(self) -> list[int]:
+        """The group ranks in the order their tensors reached the last gather. A world that
+        cannot tell (torch.distributed) answers rank order."""
+        return list(range(self.world_size))
 
     @abc.abstractmethod
     def _send_obj(self, obj, dst_in_group: int) -> None:
@@ -55,7 +64,17 @@ class GroupCoordinator(abc.ABC):
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
             return t
-        parts = self._gather_list(t)
+        return self._sum_partials(self._gather_list(t))
+
+    def _sum_partials(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The partials summed in group rank order: the order is the data's, never the
+        timing's, so every run of a Case gives the same bits."""
+        if self.faults.on(ALLREDUCE_ARRIVAL_ORDER):  # atomicAdd into a float32 output, as partials land
+            order = self._arrival_order()
+            acc = parts[order[0]].to(torch.float32, copy=True)  # the parts are shared by the ranks
+            for i in order[1:]:
+                acc += parts[i].to(torch.float32)
+            return acc.to(parts[0].dtype)
         out = parts[0].clone()
         for p in parts[1:]:
             out += p
@@ -155,3 +174,16 @@ def tp_group_ranks(pp_rank: int, tp_size: int) -> list[int]:
 
 def pp_group_ranks(tp_rank: int, tp_size: int, pp_size: int) -> list[int]:
     return [s * tp_size + tp_rank for s in range(pp_size)]
+
+
+def make_groups(cfg: EngineConfig, rank: int, group_factory) -> RankGroups:
+    """The tp, pp and world groups of `rank`; group_factory(ranks, rank, name) -> group."""
+    tp_rank, pp_rank = rank_coords(rank, cfg.tp)
+
+    def grp(ranks: list[int], name: str):
+        return SoloGroup(rank, name) if len(ranks) == 1 else group_factory(ranks, rank, name)
+
+    return RankGroups(rank=rank, tp_rank=tp_rank, pp_rank=pp_rank,
+                      tp=grp(tp_group_ranks(pp_rank, cfg.tp), "tp"),
+                      pp=grp(pp_group_ranks(tp_rank, cfg.tp, cfg.pp), "pp"),
+                      world=grp(list(range(cfg.world_size)), "world"))

@@ -97,6 +97,10 @@ class PPStage:
                                                  src=self.cfg.pp - 1)["logits"]
         return logits if self.is_last else self._logits_to_sample(logits)
 
+    def broadcast_sampled(self, ids: torch.Tensor | None) -> torch.Tensor:
+        """Every stage receives the last stage's sampled token ids (async scheduling)."""
+        return self.g.pp.broadcast_tensor_dict({"ids": ids} if self.is_last else None, src=self.cfg.pp - 1)["ids"]
+
     def _logits_to_sample(self, broadcast: torch.Tensor) -> torch.Tensor:
         """A non-last rank samples from the logits it just received."""
         if self.faults.on(PP_LOGITS_NOT_BROADCAST):

@@ -1,4 +1,5 @@
-"""The stop flag: how SIGINT/SIGTERM reach a campaign, a shrink and a selftest.
+"""The stop flag: how SIGINT/SIGTERM reach a campaign, a shrink and a selftest, and the
+`llmfuzz` process's signal handlers that set it.
 
 Set by the CLI's signal handler next to the KeyboardInterrupt it raises. The exception alone
 can be lost: a signal that lands inside a gc callback (Hypothesis >= 6.170 installs one) or
@@ -8,6 +9,7 @@ one Case; selftest checks it between faults.
 """
 from __future__ import annotations
 
+import sys
 import threading
 
 _STOP = threading.Event()
@@ -39,3 +41,39 @@ def check_stop() -> None:
 def clear_stop() -> None:
     """A stop belongs to the run it interrupted (tests call the CLI in-process, run after run)."""
     _STOP.clear()
+
+
+# -- the `llmfuzz` process's signal handlers and exit ----------------------------------------
+
+def terminate_as_interrupt(signum, frame) -> None:
+    # SIGTERM (a CI time limit, `kill`) stops a campaign the way Ctrl-C does: failures found so
+    # far are already on disk, the summary so far is printed, the exit code says what was found.
+    request_stop()  # in case the exception below is swallowed (see fuzz.stop)
+    raise StopRequested  # not a bare KeyboardInterrupt: see fuzz.stop.StopRequested
+
+
+def stop_after_command(signum, frame) -> None:
+    # The command is done and the process is exiting: a signal now only sets the flag. Raising
+    # would land in interpreter teardown (a traceback, or a death by SIGINT), and the default
+    # SIGTERM action would kill the process before it could exit with its code.
+    request_stop()
+
+
+def exit_past_stuck_ranks(code: int) -> None:
+    """An interrupt can catch a rank thread mid-step; if it has not unwound by now (a loaded
+    machine), interpreter shutdown would meet it inside torch and abort (SIGABRT) after the
+    summary was printed. Everything is on disk and flushed: leave without finalization."""
+    import os
+    import threading
+
+    if is_main_thread() and any(t.is_alive() and t is not threading.current_thread()
+                                   for t in threading.enumerate()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def is_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()

@@ -1,5 +1,6 @@
 """Hypothesis strategies for Cases. Every toggle shrinks open: tp1pp1, eager, no chunking,
-one request, short prompts, no arrivals, natural schedule, no preemption pressure.
+one request, short prompts, no arrivals, natural schedule, no preemption pressure, prefix
+caching off, no shared prefixes, no cache salts, default sampling params, no aborts.
 
 Model shapes are few and fixed (`FUZZ_MODEL`) so engines are reused across examples.
 Prompt tokens come from a drawn seed: the length is what matters for batching bugs and it
@@ -9,12 +10,18 @@ from __future__ import annotations
 
 import random
 
+from dataclasses import replace
+
 from hypothesis import event, strategies as st
 
 from engine.config import EngineConfig, parse_layout
 from engine.poison import POISON_MODES
+from engine.sample.sampling_params import SamplingParams
 from engine.schedule import Schedule
 from fuzz.case import Case, RequestSpec, Workload
+from fuzz.limits import (AT_END, AT_END_MAX_LEN, FULL_BATCH, KV_POOL, MAX_SPEC_TOKENS, SPEC_K, TILE_ROWS, TINY_BUDGETS,
+                          full_batch, kv_pool, limits_reached, mid_block_plan, mid_block_prefix_class,
+                          spec_tokens, tiny_budget)
 
 # 8 layers (pp8, uneven pp3), 8 query heads and 2 kv heads (tp8 replicates kv heads).
 FUZZ_MODEL = EngineConfig(
@@ -38,10 +45,13 @@ LONG = dict(max_model_len=512, budgets=(256, 64, 16), blocks=(192, 129), capture
 
 
 def prompt_lengths(cfg: EngineConfig) -> st.SearchStrategy[int]:
-    """Short lengths, plus lengths on either side of block and budget boundaries."""
+    """Short lengths, plus lengths on either side of block, budget, attention-tile and (in
+    graph mode) CUDA-graph capture-size boundaries."""
     bs, budget = cfg.block_size, cfg.max_num_batched_tokens
+    sizes = cfg.capture_sizes if cfg.cudagraph_mode != "NONE" else ()
     edges = sorted({n for k in (1, 2, 3) for n in (k * bs - 1, k * bs, k * bs + 1)}
-                   | {budget - 1, budget, budget + 1, 2 * budget + 1})
+                   | {budget - 1, budget, budget + 1, 2 * budget + 1}
+                   | {t + d for t in TILE_ROWS for d in (-1, 0, 1)} | {n for s in sizes for n in (s, s + 1)})
     edges = [n for n in edges if 1 <= n <= cfg.max_model_len // 2]
     # No edge fits when a block and the budget are past half of max_model_len (vLLM's block
     # 128 with a 128-token budget and max_model_len): then only the plain ranges.
@@ -58,20 +68,223 @@ REPETITIVE_ALPHABET = 3  # prompts over a few token ids repeat n-grams: drafts e
 
 
 @st.composite
-def request_specs(draw, cfg: EngineConfig) -> RequestSpec:
-    """One request: prompt around block/budget edges, a few output tokens, maybe late."""
+def request_specs(draw, cfg: EngineConfig, sampling: bool = False) -> RequestSpec:
+    """One request: prompt around block/budget edges, a few output tokens, maybe late; with
+    `sampling`, maybe sampling params (`sampled_requests`; drawn with the request, so a
+    shrink that drops the request drops them too)."""
     length = draw(prompt_lengths(cfg))
     seed = draw(st.integers(0, 2 ** 16))
     alphabet = draw(st.sampled_from((cfg.vocab_size, REPETITIVE_ALPHABET)))
     max_tokens = draw(st.integers(1, min(8, cfg.max_model_len - length)))
     arrival = draw(st.one_of(st.just(0), st.integers(1, 6)))
-    return RequestSpec(tokens_from_seed(seed, length, alphabet), max_tokens, arrival)
+    r = RequestSpec(tokens_from_seed(seed, length, alphabet), max_tokens, arrival)
+    return draw(sampled_requests(cfg, r)) if sampling else r
+
+
+# How a request of a prefix-sharing workload relates to the others; "own" (first: what a
+# shrink leaves) shares nothing. "branch": the shared prefix, then the request's own prompt;
+# "prefix": the shared prefix alone (a whole-prompt hit when another got there first);
+# "twin": the previous request's prompt again, arriving with it (its hits land on blocks
+# still being prefilled, chunk by chunk); "repeat": the previous request's prompt again,
+# arriving once that one has likely finished, so the hit lands on blocks the pool holds
+# free (ref count 0) but still cached.
+SHARING = ("own", "branch", "prefix", "twin", "repeat")
+# Few salts, so equal prompts under different salts meet often; None (unsalted) shrinks first.
+CACHE_SALTS = (None, "a", "b")
+
+
+def prefix_lengths(cfg: EngineConfig) -> st.SearchStrategy[int]:
+    """Shared-prefix lengths on, one under and one over the first block edges (a hit ends on
+    a block edge), and around the token budget (a system prompt longer than a chunk: the
+    first chunk ends inside a shared block), plus plain lengths; at most a third of
+    max_model_len, so a branch of it still fits."""
+    bs, budget, cap = cfg.block_size, cfg.max_num_batched_tokens, max(1, cfg.max_model_len // 3)
+    edges = sorted({n for k in (1, 2, 3) for n in (k * bs - 1, k * bs, k * bs + 1)}
+                   | {n for k in (0, bs) for n in (budget + k - 1, budget + k, budget + k + 1)})
+    edges = [n for n in edges if 1 <= n <= cap]
+    # The plain range starts at a block: a shorter prefix shares no KV.
+    return st.one_of(*((st.sampled_from(edges),) if edges else ()), st.integers(min(bs, cap), cap))
+
+
+def steps_to_finish(r: RequestSpec, cfg: EngineConfig) -> int:
+    """About the driver steps from `r`'s arrival to its end when it runs alone: its prefill
+    chunks and decodes, each a microbatch that comes back pp steps later."""
+    chunks = -(-len(r.prompt_token_ids) // cfg.max_num_batched_tokens)
+    return cfg.pipeline_parallel_size * (chunks + r.max_tokens) + 1
+
+
+def cache_salts(draw, cfg: EngineConfig) -> st.SearchStrategy[str | None]:
+    """Each request's salt, with prefix caching on, in two workloads in three (salted requests
+    share only with their own salt, so not always); None otherwise."""
+    salted = cfg.enable_prefix_caching and draw(st.sampled_from((False, True, True)))
+    return st.sampled_from(CACHE_SALTS) if salted else st.just(None)
 
 
 @st.composite
-def workloads(draw, cfg: EngineConfig, max_requests: int = 10) -> Workload:
-    """Mixes of prefill, decode and chunked prefill; arrivals while others run."""
-    reqs = draw(st.lists(request_specs(cfg), min_size=1, max_size=max_requests))
+def shared_workloads(draw, cfg: EngineConfig, max_requests: int = 10, sampling: bool = False) -> Workload:
+    """Requests that share prefixes: a system prompt several of them start with (branches,
+    and the prompt alone; in a burst, arriving together), exact repeats arriving with the
+    first or after it finished, prompts on and around block and chunk edges, and, with prefix
+    caching on, cache salts from a tiny set (equal tokens under different salts must not
+    share KV). Every choice shrinks to "own", no burst and an unsalted request, i.e. to the
+    plain workloads."""
+    # The class of docs/bug_classes.md#prefix_hit_mid_block_counted_full, in two of these
+    # workloads in three where the budget allows (`mid_block_plan`): a system prompt through
+    # the block the first prefill chunk ends inside, its requests in a burst at step 0 (after
+    # a short request that ends the chunk inside a block, where the budget is a multiple of it).
+    plan = mid_block_plan(cfg)
+    mid_block = draw(st.sampled_from((False, True, True))) and plan is not None
+    plen = draw(prefix_lengths(cfg))  # drawn either way: switching the class off moves no later choice
+    plen = plan[1] if mid_block else plen
+    prefix = tokens_from_seed(draw(st.integers(0, 2 ** 16)), plen,
+                              draw(st.sampled_from((cfg.vocab_size, REPETITIVE_ALPHABET))))
+    salts = cache_salts(draw, cfg)
+    # A burst: the requests that start with the system prompt arrive together, at the first
+    # one's step, so later ones hit blocks whose prefill is still in flight.
+    burst = draw(st.booleans()) or mid_block
+    drawn = draw(st.lists(st.tuples(request_specs(cfg, sampling), st.sampled_from(SHARING), salts),
+                          min_size=1, max_size=max_requests))
+    reqs: list[RequestSpec] = []
+    burst_step = 0 if mid_block else None
+    for r, kind, salt in drawn:
+        params = r.sampling
+        if kind in ("twin", "repeat") and reqs:
+            src = reqs[-1]
+            later = steps_to_finish(src, cfg) + r.arrival_step if kind == "repeat" else 0
+            r = RequestSpec(src.prompt_token_ids, min(r.max_tokens, cfg.max_model_len - len(src.prompt_token_ids)),
+                            src.arrival_step + later)
+            # The same prompt again: by the same user (its salt) unless another salt is drawn.
+            salt = src.cache_salt if salt is None else salt
+        elif kind != "own":
+            tokens = prefix + (r.prompt_token_ids if kind == "branch" else ())
+            if burst:
+                burst_step = r.arrival_step if burst_step is None else burst_step
+            r = RequestSpec(tokens[:cfg.max_model_len - r.max_tokens], r.max_tokens,
+                            r.arrival_step if burst_step is None else burst_step)
+        reqs.append(RequestSpec(r.prompt_token_ids, r.max_tokens, r.arrival_step, salt, fit(params, r.max_tokens)))
+    kinds = [k for _, k, _ in drawn]
+    if mid_block and sum(k in ("branch", "prefix") for k in kinds) < 2 and len(reqs) + 2 <= max_requests:
+        # The class needs two requests of the system prompt: the prompt alone, arriving with them.
+        salt = next((q.cache_salt for q, k in zip(reqs, kinds) if k in ("branch", "prefix")), None)
+        reqs.append(RequestSpec(prefix, min(2, cfg.max_model_len - plen), 0, salt))
+        kinds.append("prefix")
+    if sum(k in ("branch", "prefix") for k in kinds) >= 2:
+        event("shared prefix")
+    if "twin" in kinds[1:]:
+        event("concurrent repeat")
+    if "repeat" in kinds[1:]:
+        event("repeat after finish")
+    if len({r.cache_salt for r in reqs}) > 1:
+        event("mixed cache salts")
+    room = len(reqs) < max_requests  # never more requests than asked for
+    lead = (RequestSpec(tokens_from_seed(plen, plan[0], cfg.vocab_size), 1),) if mid_block and plan[0] and room else ()
+    return Workload(lead + tuple(reqs))
+
+
+@st.composite
+def workloads(draw, cfg: EngineConfig, max_requests: int = 10, sampling: bool = False) -> Workload:
+    """Mixes of prefill, decode and chunked prefill; arrivals while others run. Often, and
+    mostly when the config caches prefixes, requests share prefixes (`shared_workloads`).
+    `sampling`: requests may have sampling params (`sampled_requests`; our engine's Cases:
+    a target without them, vLLM's, draws the workloads it always drew). In one workload in four a
+    request ends at max_model_len or one short (`at_end`); two in seven are filled up to
+    max_num_seqs requests arriving together, or one more (`full_batch`)."""
+    # Drawn first and always, each shrinks off on its own: a request at max_model_len (which
+    # one: an index the workload's length wraps), a full batch.
+    end, which, fill = draw(st.sampled_from(AT_END)), draw(st.integers(0, max_requests - 1)), draw(st.sampled_from(FULL_BATCH))
+    if draw(st.sampled_from((False, True, True, True) if cfg.enable_prefix_caching else (False,) * 3 + (True,))):
+        wl = draw(shared_workloads(cfg, max_requests, sampling))
+    else:
+        reqs = draw(st.lists(request_specs(cfg, sampling), min_size=1, max_size=max_requests))
+        if cfg.enable_prefix_caching:
+            salts = cache_salts(draw, cfg)
+            reqs = [replace(r, cache_salt=draw(salts)) for r in reqs]
+        wl = Workload(tuple(reqs))
+    return full_batch(at_end(wl, cfg, end, which), cfg, fill, max_requests)
+
+
+def at_end(wl: Workload, cfg: EngineConfig, end: str, which: int) -> Workload:
+    """`wl` with request `which % len` lengthened (or cut) so that its prompt plus max_tokens
+    is max_model_len ("at") or one short of it; as is for "no", or where max_model_len is
+    past AT_END_MAX_LEN."""
+    if end == "no" or cfg.max_model_len > AT_END_MAX_LEN:
+        return wl
+    reqs = list(wl.requests)
+    i = which % len(reqs)
+    p, want = reqs[i].prompt_token_ids, cfg.max_model_len - reqs[i].max_tokens - (end == "one short")
+    reqs[i] = replace(reqs[i], prompt_token_ids=(p + tokens_from_seed(len(p), want - len(p), cfg.vocab_size))[:want])
+    return Workload(tuple(reqs))
+
+
+@st.composite
+def sampling_params(draw, cfg: EngineConfig, r: RequestSpec) -> SamplingParams | None:
+    """None (plain greedy, as before sampling existed) for two requests in three (measured over
+    2000 drawn Cases: 29 % of requests get params); else some of: random sampling (temperature, top-k/p, min-p, seed, n > 1; only
+    without speculative decoding, whose verification is greedy), penalties (greedy too, so
+    n-gram drafting's multi-token rows make reorder_batch swap penalised rows), a logit bias,
+    stops (tokens and sequences of the prompt, so they are met; min_tokens), top logprobs,
+    prompt logprobs. Each group shrinks off, each value toward the first of its list."""
+    if not draw(st.sampled_from((False, False, True))):
+        return None
+    V, kw = cfg.vocab_size, {}
+    if cfg.speculative_method == "none" and draw(st.booleans()):
+        kw.update(temperature=draw(st.sampled_from((1.0, 0.5, 2.0))), top_k=draw(st.sampled_from((0, 5, 40))),
+                  top_p=draw(st.sampled_from((1.0, 0.9, 0.5))), min_p=draw(st.sampled_from((0.0, 0.05))),
+                  seed=draw(st.one_of(st.none(), st.integers(0, 2 ** 16))), n=draw(st.sampled_from((1, 1, 2, 3))))
+    if draw(st.booleans()):
+        kw.update(frequency_penalty=draw(st.sampled_from((0.5, 1.5, -0.5, 0.0))),
+                  presence_penalty=draw(st.sampled_from((0.0, 0.4, -1.0))),
+                  repetition_penalty=draw(st.sampled_from((1.0, 1.3, 0.8))))
+    if draw(st.sampled_from((False, False, True))):
+        kw["logit_bias"] = draw(st.dictionaries(st.integers(0, V - 1), st.sampled_from((5.0, -5.0, 100.0, -100.0)),
+                                                min_size=1, max_size=3))
+    if draw(st.sampled_from((False, False, True))):
+        seen = st.sampled_from(r.prompt_token_ids)
+        kw["stop_token_ids"] = tuple(draw(st.lists(seen, min_size=1, max_size=2, unique=True)))
+        start = draw(st.integers(0, len(r.prompt_token_ids) - 1))
+        kw["stop_sequences"] = (r.prompt_token_ids[start:start + draw(st.integers(1, 2))],)
+        kw["min_tokens"] = draw(st.integers(0, r.max_tokens))
+    if draw(st.sampled_from((False, False, True))):
+        kw["logprobs"] = draw(st.integers(0, 5))
+    if draw(st.sampled_from((False,) * 5 + (True,))):
+        kw["prompt_logprobs"] = draw(st.integers(0, 3))
+    return SamplingParams(**kw)
+
+
+def fit(params: SamplingParams | None, max_tokens: int) -> SamplingParams | None:
+    """`params` for a request whose max_tokens a workload lowered: min_tokens no more than it."""
+    return replace(params, min_tokens=max_tokens) if params is not None and params.min_tokens > max_tokens else params
+
+
+@st.composite
+def sampled_requests(draw, cfg: EngineConfig, r: RequestSpec) -> RequestSpec:
+    """`r`, maybe with sampling params (`sampling_params`); a random-sampling prompt that fits
+    the token budget is often lengthened past it, so its prefill is chunked (a step that
+    samples nothing for it). Shrinks to `r` as it was."""
+    params = draw(sampling_params(cfg, r))
+    if params is None:
+        return r
+    budget, room = cfg.max_num_batched_tokens, cfg.max_model_len - r.max_tokens
+    if not params.is_greedy and len(r.prompt_token_ids) <= budget < room and draw(st.booleans()):
+        extra = min(room, budget + draw(st.integers(1, 8))) - len(r.prompt_token_ids)
+        r = replace(r, prompt_token_ids=r.prompt_token_ids + tokens_from_seed(len(r.prompt_token_ids), extra,
+                                                                              cfg.vocab_size))
+    return replace(r, sampling=params)
+
+
+@st.composite
+def aborts(draw, cfg: EngineConfig, wl: Workload) -> Workload:
+    """In three Cases in seven with pp >= 2 (one in seven with pp 1) one request is aborted, a
+    few driver steps after its arrival, while a microbatch of it may be in flight. Shrinks to
+    no abort, else to the first request, one step after its arrival. (Hypothesis draws the
+    early entries of a list more often: with two in seven, 8.5 % of drawn Cases had an abort
+    with pp >= 2, too few for docs/bug_classes.md#abort_frees_blocks_in_flight.)"""
+    if not draw(st.sampled_from((False,) * 4 + (True,) * 3 if cfg.pipeline_parallel_size > 1 else (False,) * 6 + (True,))):
+        return wl
+    reqs = list(wl.requests)
+    i = draw(st.integers(0, len(reqs) - 1))
+    # Step 0 (an abort before the request's first step, never in flight) among the later ones.
+    reqs[i] = replace(reqs[i], abort_step=reqs[i].arrival_step + draw(st.sampled_from((1, 2, 3, 4, 0, 6, 9))))
     return Workload(tuple(reqs))
 
 
@@ -89,7 +302,10 @@ def schedules(draw) -> Schedule:
     return Schedule(seed=draw(st.integers(0, 2 ** 16)),
                     rank_order=draw(st.sampled_from(("natural", "random"))),
                     copy_delay=draw(st.sampled_from((0.5, 0.9, 1.0))),
-                    prepare_ahead=draw(st.sampled_from((0.5, 1.0, 0.0))))
+                    prepare_ahead=draw(st.sampled_from((0.5, 1.0, 0.0))),
+                    # With async scheduling: how often the engine waits for its step in flight
+                    # instead of scheduling ahead (drawn last: the draws above stay as they were).
+                    async_wait=draw(st.sampled_from((0.0, 0.3, 0.7))))
 
 
 @st.composite
@@ -113,9 +329,20 @@ def engine_configs(draw, layouts=DEFAULT_LAYOUTS, modes=("eager",), base: Engine
         # One size set: every captured (rank, size) pair is paid once per pooled engine.
         extra.update(cudagraph_mode="FULL", capture_sizes=LONG["capture_sizes"] if long else (4, 8, 16, 32))
     method, k = draw(st.sampled_from((("none", 0), ("ngram", 2), ("ngram", 4), ("eagle", 2))))
-    return base.replace(tensor_parallel_size=tp, pipeline_parallel_size=pp, max_num_batched_tokens=budget,
+    k = spec_tokens(method, k, draw(st.sampled_from(SPEC_K)), draw(st.integers(1, MAX_SPEC_TOKENS)), budget) if k else 0
+    # Prefix caching and async scheduling, independently, in one draw (so that the draws after
+    # it go as they did before async scheduling existed): caching one Case in two as listed (in
+    # Hypothesis' draws, measured, 1 in 3 to 2 in 5), async one in three.
+    caching, asynchronous = draw(st.sampled_from(tuple((c, a) for a in (False, False, True) for c in (False, True))))
+    # max_num_seqs as the model serves (8), or small enough that a few requests fill every seat
+    # and the next one waits (the admission limit, docs/bug_classes.md#sched_max_num_seqs_off_by_one:
+    # 9 requests running at once under a budget of 5-64 tokens were all but never drawn).
+    # Drawn last, so the draws above go as they did.
+    seqs = draw(st.sampled_from((base.max_num_seqs, 2, 4)))
+    return base.replace(max_num_seqs=seqs, tensor_parallel_size=tp, pipeline_parallel_size=pp, max_num_batched_tokens=budget,
                         num_gpu_blocks=blocks, sequence_parallel=sp, broadcast_pp_output=bcast,
-                        speculative_method=method, num_speculative_tokens=k, **extra)
+                        speculative_method=method, num_speculative_tokens=k,
+                        enable_prefix_caching=caching, async_scheduling=asynchronous, **extra)
 
 
 @st.composite
@@ -124,8 +351,11 @@ def cases(draw, layouts=DEFAULT_LAYOUTS, modes=("eager",), faults: tuple[str, ..
     """A whole Case; labels its class with event() for Hypothesis statistics. `poisons`: what
     resets may leave in memory (engine/poison.py); campaigns alternate NaN and stale."""
     cfg = draw(engine_configs(layouts, modes, base))
-    wl = draw(workloads(cfg, max_requests))
+    wl = draw(aborts(cfg, draw(workloads(cfg, max_requests, sampling=True))))
+    cfg = kv_pool(tiny_budget(cfg, wl, draw(st.sampled_from(TINY_BUDGETS))), wl, draw(st.sampled_from(KV_POOL)))
     case = Case(cfg, wl, draw(schedules()), tuple(faults), poison=draw(st.sampled_from(tuple(poisons))))
+    for name in limits_reached(cfg, wl.requests):
+        event(f"limit: {name}")
     event(f"layout={case.layout}")
     event(f"mode={case.mode}")
     lens = [len(r.prompt_token_ids) for r in wl.requests]
@@ -140,4 +370,19 @@ def cases(draw, layouts=DEFAULT_LAYOUTS, modes=("eager",), faults: tuple[str, ..
         event("non-default schedule")
     if cfg.speculative_method != "none":
         event("speculative decoding")
+    if cfg.enable_prefix_caching:
+        event("prefix caching")
+    params = [r.sampling for r in wl.requests if r.sampling is not None]
+    if params:
+        event("sampling")
+        if any(not p.is_greedy for p in params):
+            event("random sampling")
+        if any(p.has_penalties for p in params):
+            event("penalties")
+        if any(p.n > 1 for p in params):
+            event("parallel sampling (n > 1)")
+    if any(r.abort_step is not None for r in wl.requests):
+        event("abort")
+    if mid_block_prefix_class(cfg, wl.requests):
+        event("prefix hit on the block a chunk ends in")
     return case

@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)  # the checkout's engine/ and fuzz/, installed or not
 
-from fuzz.cli import main  # noqa: E402
+from fuzz.cli.main import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(["replay", *sys.argv[1:]]))

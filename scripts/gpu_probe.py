@@ -2,9 +2,9 @@
 the isolated harness, with the fault on and off: does each still show, and how."""
 import dataclasses, json, sys, time
 
-from fuzz.isolated import IsolatedHarness
-from fuzz.properties import Violation
-from fuzz.reproduce import load_reproducer
+from fuzz.verdict.isolated import IsolatedHarness
+from fuzz.verdict.properties import Violation
+from fuzz.campaign.reproduce import load_reproducer
 
 FAULTS = sys.argv[1:] or ["graph_stale_max_seqlen", "pp_shared_staging_buffer",
                           "stale_query_start_loc_tail", "intermediate_copy_unsynced"]

@@ -28,6 +28,8 @@ import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from fuzz.targets.vllm.process import descendants  # noqa: E402
 DEFAULT_OUT = os.path.join(REPO, "bench", "results", "long_campaign_cpu.json")
 PROGRESS = re.compile(r"(\d+)s/\d+s (\d+) examples .* failures (\d+)")
 
@@ -43,27 +45,6 @@ def _status(pid: int) -> dict[str, str]:
 
 def _kb(v: str | None) -> int:
     return int(v.split()[0]) if v else 0
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live descendant of `pid` (by PPid in /proc/*/stat)."""
-    children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(d))
-    out, stack = [], list(children.get(pid, []))
-    while stack:
-        p = stack.pop()
-        out.append(p)
-        stack.extend(children.get(p, []))
-    return out
 
 
 def fd_count(pid: int) -> int:
@@ -122,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     work = tempfile.mkdtemp(prefix="llmfuzz-long-")
-    cmd = [sys.executable, "-m", "fuzz.cli", "run", "--jobs", "1", "--budget", f"{args.budget:g}", "--seed", str(args.seed),
+    cmd = [sys.executable, "-m", "fuzz.cli.main", "run", "--jobs", "1", "--budget", f"{args.budget:g}", "--seed", str(args.seed),
            "--out", os.path.join(work, "repro"), *args.extra]
     shown = "llmfuzz run " + " ".join(cmd[4:])
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))

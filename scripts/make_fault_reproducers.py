@@ -1,7 +1,7 @@
 """Write one minimal reproducer per registry fault to reproducers/faults/<fault>.json.
 
 Each seed Case below is a hand-made small Case where the fault is reachable; it is then
-minimized with `fuzz.shrink.minimize` against "still fails with the same property", and
+minimized with `fuzz.campaign.shrink.minimize` against "still fails with the same property", and
 checked to pass with the fault off. Run: `python scripts/make_fault_reproducers.py`.
 """
 from __future__ import annotations
@@ -15,10 +15,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.schedule import Schedule  # noqa: E402
 from fuzz.case import Case, RequestSpec, Workload  # noqa: E402
-from fuzz.harness import Harness  # noqa: E402
-from fuzz.properties import Violation  # noqa: E402
-from fuzz.reproduce import write_reproducer  # noqa: E402
-from fuzz.shrink import minimize  # noqa: E402
+from fuzz.verdict.harness import Harness  # noqa: E402
+from fuzz.verdict.properties import Violation  # noqa: E402
+from fuzz.campaign.reproduce import write_reproducer  # noqa: E402
+from fuzz.campaign.shrink import minimize  # noqa: E402
 from fuzz.strategies import FUZZ_MODEL  # noqa: E402
 
 
@@ -48,6 +48,21 @@ SEEDS = {
     "capture_metadata_baked": Case(FUZZ_MODEL.replace(**G), Workload((R(1, 3), R(2, 2, 1)))),
     "spec_rollback_missing": Case(FUZZ_MODEL.replace(speculative_method="ngram", num_speculative_tokens=1),
                                   Workload((RequestSpec(tuple(range(40)), 4, 0),))),
+    # A 2-token prompt admitted with a 1-token one: reorder_batch swaps them (one-token rows
+    # first), then the first decodes ahead and reads the row the second sampled in.
+    "async_placeholder_not_replaced": Case(FUZZ_MODEL.replace(async_scheduling=True),
+                                           Workload((R(2, 2), R(1, 1, 0, 98)))),
+    # Caught by the determinism oracle's re-run under another rank order (every tp >= 3 Case).
+    "allreduce_arrival_order": Case(FUZZ_MODEL.replace(layout="tp4pp1"), Workload((R(1),))),
+    "split_k_by_batch_size": Case(FUZZ_MODEL, Workload((R(1),))),
+    # pp2 alternates r0+r1 and the extra r2 in two microbatches: outputs stay bit-identical.
+    "sched_max_num_seqs_off_by_one": Case(FUZZ_MODEL.replace(layout="tp1pp2", max_num_seqs=2,
+                                                             max_num_batched_tokens=8),
+                                          Workload((R(4, 4), R(4, 4, tok=9), R(3, 4, tok=17)))),
+    # Budget 3: the first decode takes 1 token, the second (its prompt repeats: drafts) the rest.
+    "sched_drafts_over_budget": Case(FUZZ_MODEL.replace(speculative_method="ngram", num_speculative_tokens=2,
+                                                        max_num_batched_tokens=3),
+                                     Workload((RequestSpec((5,), 12, 0), RequestSpec((1, 2, 1, 2, 1, 2), 12, 0)))),
 }
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a GPU machine: find the GPU-relevant faults with real kernels and keep one minimal
-# reproducer per fault as reproducers/gpu/<fault>.json (what tests/fuzz/test_reproducers.py
+# reproducer per fault as reproducers/gpu/<fault>.json (what tests/fuzz/campaign/test_reproducers.py
 # replays under `pytest -m gpu`).  Usage: scripts/make_gpu_reproducers.sh [OUTDIR]
 set -euo pipefail
 out=${1:-out/gpu-faults}

@@ -1,18 +1,51 @@
-"""The house's structure, drawn from its imports (ast; function-local imports count): the
-engine imports nothing from the harness, and no module of engine/ or fuzz/ imports itself
-back through others. The FA contract is a leaf: torch and the standard library only."""
+"""The house's structure, drawn from its imports (ast; function-local imports count).
+
+Layers, lowest first; a module imports only its own layer's or lower ones:
+- engine/: imports nothing from the harness; `engine.outputs` holds the data-only contracts
+  scheduler and runner both import, and the FA contract is a leaf (torch and the standard
+  library only);
+- the harness's base: `fuzz.errors`, `fuzz.stop`, `fuzz.profiles` (leaves), `fuzz.case`,
+  `fuzz.limits`, `fuzz.strategies`, and `fuzz.targets.runs` (data-only: what a black-box target returns);
+- `fuzz.guard` (the FA guard, loaded into other engines: the contract and itself only) and
+  `fuzz.report` (the standard library only);
+- `fuzz.verdict`, then `fuzz.targets`, then `fuzz.campaign`, then `fuzz.mutate` (beside
+  `bench/`), then `fuzz.cli` and `bench/`;
+- `llmfuzz/`, the public API, on top: it may import anything below; nothing imports it.
+No module imports itself back through others."""
 from __future__ import annotations
 
 import ast
+import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("engine", "fuzz", "bench", "llmfuzz")
+
+# Each layer of the harness and what it may import from engine/, fuzz/ and bench/ (prefixes).
+BASE = ("fuzz.errors", "fuzz.stop", "fuzz.profiles", "fuzz.case", "fuzz.limits", "fuzz.strategies", "fuzz.targets.runs")
+ALLOWED = {
+    "fuzz.errors": (), "fuzz.stop": (), "fuzz.profiles": (),
+    "fuzz.pytest_plugin": ("fuzz.profiles",),
+    "fuzz.case": ("engine", "fuzz.errors"),
+    "fuzz.limits": ("engine", "fuzz.case"),
+    "fuzz.strategies": ("engine", "fuzz.case", "fuzz.errors", "fuzz.limits"),
+    "fuzz.targets.runs": ("fuzz.case",),
+    "fuzz.guard": ("fuzz.guard", "engine.attention.fa_contract"),
+    "fuzz.report": ("fuzz.report",),
+    "fuzz.verdict": ("engine", "fuzz.verdict") + BASE,
+    "fuzz.targets": ("engine", "fuzz.targets", "fuzz.verdict") + BASE,
+    "fuzz.campaign": ("engine", "fuzz.campaign", "fuzz.targets", "fuzz.verdict", "fuzz.guard") + BASE,
+    "fuzz.mutate": ("engine", "fuzz.mutate", "fuzz.campaign", "fuzz.targets", "fuzz.verdict") + BASE,
+    "fuzz.cli": ("engine", "fuzz", "bench"),
+    "bench": ("engine", "fuzz", "bench"),
+    "llmfuzz": ("engine", "fuzz", "llmfuzz"),
+}
 
 
 def _modules() -> dict[str, Path]:
     mods = {}
-    for pkg in ("engine", "fuzz"):
+    for pkg in PACKAGES:
         for f in (ROOT / pkg).rglob("*.py"):
             rel = f.relative_to(ROOT).with_suffix("")
             mods[".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)] = f
@@ -80,10 +113,36 @@ def _cycles(g: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def _under(mod: str, prefixes) -> bool:
+    return any(mod == p or mod.startswith(p + ".") for p in prefixes)
+
+
+def _layer(mod: str) -> str | None:
+    """The most specific ALLOWED key `mod` falls under."""
+    keys = [k for k in ALLOWED if _under(mod, (k,))]
+    return max(keys, key=len) if keys else None
+
+
 def test_the_engine_imports_nothing_from_the_harness() -> None:
     g = _graph()
-    bad = sorted((a, b) for a in g for b in g[a] if a.startswith("engine") and b.startswith("fuzz"))
+    bad = sorted((a, b) for a in g for b in g[a] if a.startswith("engine") and not b.startswith("engine"))
     assert not bad, bad
+
+
+def test_every_harness_module_imports_only_its_layer_or_lower() -> None:
+    g = _graph()
+    unplaced = sorted(m for m in g if not m.startswith("engine") and m != "fuzz" and _layer(m) is None)
+    assert not unplaced, f"modules in no layer: {unplaced}"
+    bad = sorted((a, b) for a in g if not a.startswith("engine") and a != "fuzz"
+                 for b in g[a] if not _under(b, ALLOWED[_layer(a)]))
+    assert not bad, bad
+
+
+def test_nothing_imports_the_public_api() -> None:
+    g = _graph()
+    bad = sorted((a, b) for a in g if not _under(a, ("llmfuzz",)) for b in g[a] if _under(b, ("llmfuzz",)))
+    assert not bad, bad
+    assert _under_all(g["llmfuzz"], ("engine", "fuzz", "llmfuzz"))
 
 
 def test_no_import_cycles() -> None:
@@ -92,5 +151,20 @@ def test_no_import_cycles() -> None:
 
 def test_the_fa_contract_is_a_leaf() -> None:
     g = _graph()
-    for leaf in ("engine.attention.fa_contract", "engine.attention.fa_shapes"):
-        assert g[leaf] <= {"engine.attention.fa_shapes"}, (leaf, g[leaf])
+    contract = [m for m in g if _under(m, ("engine.attention.fa_contract",))]
+    assert contract
+    for m in contract:
+        assert _under_all(g[m], ("engine.attention.fa_contract",)), (m, g[m])
+
+
+def _under_all(mods, prefixes) -> bool:
+    return all(_under(m, prefixes) for m in mods)
+
+
+def test_importing_the_fa_contract_loads_no_other_engine_module() -> None:
+    """In a fresh interpreter: what the FA guard carries into every process it watches."""
+    code = ("import sys, engine.attention.fa_contract; "
+            "print('\\n'.join(sorted(m for m in sys.modules if m.split('.')[0] in ('engine', 'fuzz'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    loaded = set(out.split())
+    assert loaded - {"engine", "engine.attention"} <= {m for m in _modules() if _under(m, ("engine.attention.fa_contract",))}

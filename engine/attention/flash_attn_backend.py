@@ -16,13 +16,15 @@ Two entry points, the first one importable wins:
    paged path needs a block size divisible by 256, so for smaller blocks the keys are first
    gathered through the block table into a packed layout (`cu_seqlens_k` from seqused_k, on
    the device: no host sync, so it captures into a CUDA graph). Typed against its documented
-   signature; not run on the machines this project was measured on (no FA2 wheel exists for
-   their torch).
+   signature and checked on the CPU with a stand-in kernel (tests/engine/
+   test_flash_attn_backend.py); no FA2 wheel exists for the torch this project pins, so no
+   GPU run covers it.
 
 The kernel is looked up on its module at every call (`flash_attn.cute.flash_attn_varlen_func`,
 not a reference kept at import), so the FA guard's wrapper on that attribute sees our calls.
 `probe()` says which entry point is importable without importing the heavy kernels; it is
-what EngineConfig checks and what the CLI prints in one line.
+what the backend selector (engine/attention/selector.py) checks and what the CLI prints in
+one line.
 """
 from __future__ import annotations
 

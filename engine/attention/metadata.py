@@ -14,7 +14,7 @@ import torch
 
 # Also registers torch.ops.llmfuzz.* (AttentionContext calls them). FACallRecord is
 # defined there, beside the op that records it, so that module needs nothing of this one.
-from engine.custom_ops import FACallRecord, tracing, unified_attention_impl  # noqa: F401  (FACallRecord: re-exported)
+from engine.custom_ops import AttentionSink, FACallRecord, attend, tracing  # noqa: F401  (FACallRecord: re-exported)
 
 
 @dataclass(slots=True)
@@ -58,13 +58,14 @@ class AttentionMetadataBuilder:
 
 @dataclass(slots=True)
 class AttentionContext:
-    """Callable handed to the model for one forward: every layer's attention goes through
-    the `llmfuzz::unified_attention` op (KV write, record, backend), eager and graph alike."""
+    """Callable handed to the model for one forward: every layer's attention is
+    `engine.custom_ops.attend` (KV write, record, the sink's backend), called directly in
+    eager mode and through the `llmfuzz::unified_attention` op while a graph is traced."""
 
     md: CommonAttentionMetadata
     kv_caches: dict[int, tuple[torch.Tensor, torch.Tensor]]
     scale: float
-    sink: int = 0  # engine.custom_ops.SINKS key of the runner (records, live batch)
+    sink: AttentionSink  # the runner's: its backend, records and live batch
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         n = int(self.md.num_actual_tokens)
@@ -80,6 +81,9 @@ class AttentionContext:
     def _attend(self, layer: int, q, k, v, slot_mapping) -> torch.Tensor:
         md = self.md
         k_cache, v_cache = self.kv_caches[layer]
-        op = torch.ops.llmfuzz.unified_attention if tracing() else unified_attention_impl
-        return op(q, k, v, k_cache, v_cache, md.query_start_loc, md.seq_lens, md.block_table_tensor,
-                  slot_mapping, int(md.max_query_len), int(md.max_seq_len), self.scale, self.sink, layer)
+        args = (q, k, v, k_cache, v_cache, md.query_start_loc, md.seq_lens, md.block_table_tensor,
+                slot_mapping, int(md.max_query_len), int(md.max_seq_len), self.scale)
+        if tracing():
+            # The op, so the graph records the call; it takes the sink by its int key.
+            return torch.ops.llmfuzz.unified_attention(*args, self.sink.key, layer)
+        return attend(*args, self.sink, layer)

@@ -1,24 +1,19 @@
-"""Real FlashAttention kernels behind the reference backend's signature (GPU only).
+"""The `torch_flash` attention backend: PyTorch's FlashAttention-2 varlen kernel (GPU only).
 
-`torch_flash`: PyTorch's built-in FlashAttention-2 varlen kernel
-(`torch.ops.aten._flash_attention_forward`). It has no paged KV, so keys are first gathered
-through the block table into a [batch * max_seqlen_k] layout with `seqused_k` giving each
-sequence's real length: no host sync, so it captures into a CUDA graph.
+`torch.ops.aten._flash_attention_forward` behind the reference kernel's signature. It has no
+paged KV, so keys are first gathered through the block table into a [batch * max_seqlen_k]
+layout with `seqused_k` giving each sequence's real length: no host sync, so it captures
+into a CUDA graph. It computes keys below max_seqlen_k only, and only the query rows below
+max_seqlen_q (in 128-row tiles), so an understated scalar shows up as garbage rows, exactly
+the field bug. (flash-attn-4, the `flash_attn` backend, takes max_seqlen_q as a hint and
+computes every row: README, "What a kernel cannot show".)
 
-`flash_attn`: the flash-attn package (engine/attention/flash_attn_backend.py):
-`flash_attn.cute.flash_attn_varlen_func` (flash-attn-4) on the paged cache through
-`page_table`, else FlashAttention-2's `flash_attn.flash_attn_varlen_func`.
-
-Both compute keys below max_seqlen_k only. PyTorch's FA2 kernel also computes only the
-query rows below max_seqlen_q (in 128-row tiles), so an understated scalar shows up as
-garbage rows, exactly the field bug; flash-attn-4 takes max_seqlen_q as a hint and computes
-every row (README, "What a kernel cannot show").
+The backend (engine/attention/selector.py) calls `torch_flash_varlen` by this module's name
+at every call, so a wrapper put on it here sees every call.
 """
 from __future__ import annotations
 
 import torch
-
-from engine.attention.flash_attn_backend import flash_attn_varlen
 
 
 def _gather_paged(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -47,6 +42,3 @@ def torch_flash_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         q, k, v, cu_seqlens_q.int(), cu_k, max_seqlen_q, max_seqlen_k, 0.0, causal, False,
         scale=softmax_scale, seqused_k=seqused_k[:B].int())[0]
     return out
-
-
-BACKENDS = {"torch_flash": torch_flash_varlen, "flash_attn": flash_attn_varlen}

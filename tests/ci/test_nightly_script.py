@@ -44,6 +44,46 @@ def test_nightly_script_end_to_end(tmp_path) -> None:
     assert (out / "example-db").is_dir()  # the CI upload finds it even when nothing was saved
 
 
+@pytest.mark.slow
+def test_two_shards_then_merge_end_to_end(tmp_path) -> None:
+    """ci/nightly.sh --shard K/2 twice (as the matrix's machines), then ci/merge.sh over their
+    results laid out as the downloaded artifacts are: one summary of both shards' layouts,
+    the report, the job summary and the union of their example databases."""
+    if not shutil.which("llmfuzz", path=script_env()["PATH"]):
+        pytest.skip("the llmfuzz console script is not installed (pip install -e .)")
+    from hypothesis.database import DirectoryBasedExampleDatabase as Db
+
+    for k in (1, 2):
+        work = tmp_path / f"m{k}"
+        work.mkdir()
+        proc = subprocess.run(
+            ["bash", str(ROOT / "ci" / "nightly.sh"), "--budget", "3", "--out", "nightly", "--layouts",
+             "tp1pp1,tp1pp2", "--modes", "eager", "--selftest-budget", "0", "--shard", f"{k}/2"],
+            capture_output=True, text=True, timeout=240, cwd=work, env=script_env())
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        Db(str(work / "nightly" / "example-db")).save(b"cell", f"shard{k}".encode())  # as a found failure would
+        shutil.copytree(work / "nightly", tmp_path / "shards" / f"llmfuzz-shard-{k}")
+    proc = subprocess.run(["bash", str(ROOT / "ci" / "merge.sh"), "--from", "shards", "--out", "nightly"],
+                          capture_output=True, text=True, timeout=240, cwd=tmp_path, env=script_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "nightly"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["layouts"] == ["tp1pp1", "tp1pp2"] and [s["shard"] for s in summary["shards"]] == ["1/2", "2/2"]
+    assert summary["examples"] == sum(s["examples"] for s in summary["shards"]) > 0
+    assert "<h2>Shards</h2>" in (out / "report.html").read_text()
+    assert "| tp1pp2 | eager |" in (out / "job_summary.md").read_text()
+    assert set(Db(str(out / "example-db")).fetch(b"cell")) == {b"shard1", b"shard2"}
+
+
+def test_merge_script_without_shards_is_an_error(tmp_path) -> None:
+    (tmp_path / "shards" / "a").mkdir(parents=True)
+    proc = subprocess.run(["bash", str(ROOT / "ci" / "merge.sh"), "--from", str(tmp_path / "shards"), "--out",
+                           str(tmp_path / "o")], capture_output=True, text=True, timeout=60, env=script_env())
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "no shard's summary.json" in lines[0], proc
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--budget", "soon"], "--budget"), (["--selftest-budget", "-1"], "--selftest-budget"),
     (["--frobnicate"], "unknown argument"), (["--budget"], "needs a value"),
@@ -106,23 +146,35 @@ def test_workflows_parse_and_run_what_they_should() -> None:
 
     assert "schedule" in nightly[True] and nightly[True]["schedule"][0]["cron"]
     jobs = nightly["jobs"]
-    assert {"fuzz", "selftest", "gpu"} <= set(jobs)
+    assert {"fuzz", "merge", "selftest", "gpu"} <= set(jobs)
     fuzz_text = "\n".join(run_lines({"jobs": {"fuzz": jobs["fuzz"]}}))
-    assert "ci/nightly.sh --budget" in fuzz_text
+    assert "ci/nightly.sh --budget" in fuzz_text and '--shard "${{ matrix.shard }}/$SHARDS"' in fuzz_text
     for words in README_INSTALL:
         assert words in fuzz_text
-    uses = {s.get("with", {}).get("name") for s in jobs["fuzz"]["steps"] if "upload-artifact" in s.get("uses", "")}
-    assert {"llmfuzz-example-db", "llmfuzz-reproducers"} <= uses
+    # The CPU campaign: a matrix of shards (default 4), each starting from last night's merged
+    # database; the merge job unites their results and databases and publishes them.
+    assert nightly[True]["workflow_dispatch"]["inputs"]["shards"]["default"] == "4"
+    assert jobs["fuzz"]["strategy"]["matrix"]["shard"] == "${{ fromJSON(needs.shards.outputs.list) }}"
+    assert jobs["fuzz"]["strategy"]["fail-fast"] is False
     restore = [s for s in jobs["fuzz"]["steps"] if "download-artifact" in s.get("uses", "")]
     assert restore and restore[0]["with"]["name"] == "llmfuzz-example-db"
-    assert "GITHUB_STEP_SUMMARY" in fuzz_text
+    shard_up = [s["with"] for s in jobs["fuzz"]["steps"] if "upload-artifact" in s.get("uses", "")]
+    assert shard_up[0]["name"] == "llmfuzz-shard-${{ matrix.shard }}" and "example-db" in shard_up[0]["path"]
+    merge = jobs["merge"]
+    merge_text = "\n".join(run_lines({"jobs": {"merge": merge}}))
+    assert merge["needs"] == "fuzz" and merge["if"] == "always()" and "ci/merge.sh --from shards" in merge_text
+    got = [s["with"] for s in merge["steps"] if "download-artifact" in s.get("uses", "")]
+    assert got[0]["pattern"] == "llmfuzz-shard-*"
+    uses = {s.get("with", {}).get("name") for s in merge["steps"] if "upload-artifact" in s.get("uses", "")}
+    assert {"llmfuzz-example-db", "llmfuzz-reproducers", "llmfuzz-nightly"} <= uses
+    assert "GITHUB_STEP_SUMMARY" in merge_text
     assert "llmfuzz selftest" in "\n".join(run_lines({"jobs": {"s": jobs["selftest"]}}))
     assert jobs["gpu"]["runs-on"] == ["self-hosted", "gpu"]
     assert "ci/gpu.sh" in "\n".join(run_lines({"jobs": {"g": jobs["gpu"]}}))
 
 
 def test_workflows_name_only_commands_that_exist() -> None:
-    from fuzz.cli import build_parser
+    from fuzz.cli.main import build_parser
 
     subcommands = set(build_parser()._subparsers._group_actions[0].choices)
     for name, wf in load_workflows().items():
@@ -134,7 +186,9 @@ def test_workflows_name_only_commands_that_exist() -> None:
                 assert sub in subcommands, f"{name}: llmfuzz {sub}"
             for mod in re.findall(r"python3? -m ([\w.]+)", line):
                 if mod not in ("pip", "pytest"):
-                    assert (ROOT / (mod.replace(".", "/") + ".py")).is_file(), f"{name}: python -m {mod}"
+                    path = ROOT / mod.replace(".", "/")
+                    assert path.with_suffix(".py").is_file() or (path / "__main__.py").is_file(), \
+                        f"{name}: python -m {mod}"
 
 
 def test_workflows_live_where_github_runs_them() -> None:

@@ -13,18 +13,16 @@ from engine.attention.flash_attn_backend import probe
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
-    # A GPU test (marked gpu): CI has no GPU; the H200 runs it (bench/results/issue20_pytest_gpu_h200_fa4.json).
+    # A GPU test (marked gpu): CI has no GPU; the H200 runs it (bench/results/pytest_gpu_h200_flash_attn4.json).
     pytest.skip("needs CUDA", allow_module_level=True)
 FOUND = probe()
 if FOUND is None:
     # The flash-attn packages are optional (the gpu extra); the H200 run unpacks flash-attn-4.
     pytest.skip("needs flash-attn-4 (flash_attn.cute) or flash-attn", allow_module_level=True)
 
+from engine.attention.flash_attn_backend import flash_attn_varlen as fa_varlen  # noqa: E402
 from engine.attention.reference import varlen_attention  # noqa: E402
-from engine.attention.torch_flash import BACKENDS  # noqa: E402
-from fuzz.tolerance import HALF_RULES  # noqa: E402
-
-fa_varlen = BACKENDS["flash_attn"]
+from fuzz.verdict.tolerance import HALF_RULES  # noqa: E402
 
 
 def paged_batch(q_lens, k_lens, bs=16, H=8, Hkv=2, D=64, dtype=torch.bfloat16, seed=0, spare_blocks=0):
@@ -55,7 +53,7 @@ def test_which_entry_point_was_found():
 @pytest.mark.parametrize("bs,D", [(4, 8), (4, 64), (16, 64), (128, 128)])
 def test_flash_attn_matches_reference_within_calibrated_noise(bs, D):
     """FlashAttention's own test rule, with the bf16 constants calibrated for the engine
-    (fuzz/tolerance.py): |kernel - ref32| <= k * |ref_bf16 - ref32| + atol, where ref32 is the
+    (fuzz/verdict/tolerance.py): |kernel - ref32| <= k * |ref_bf16 - ref32| + atol, where ref32 is the
     reference attention on the same bf16 inputs in fp32 (fp64 accumulation) and ref_bf16 the
     reference in bf16 (fp32 accumulation, rounded output): plain bf16 noise."""
     q_lens, k_lens = [1, 7, 33, 128, 3], [20, 7, 50, 128, 300]

@@ -248,7 +248,7 @@ def test_baked_scalar_nan_rows_exactly_past_max_seqlen_q():
 @pytest.mark.gpu
 def test_graph_equals_eager_on_cuda():
     if not torch.cuda.is_available():
-        # A GPU test (marked gpu): CI has no GPU; the H200 runs it (bench/results/issue20_pytest_gpu_h200_fa4.json).
+        # A GPU test (marked gpu): CI has no GPU; the H200 runs it (bench/results/pytest_gpu_h200_flash_attn4.json).
         pytest.skip("needs CUDA")
     cfg = BASE.replace(device="cuda", layout="tp1pp2")
     eager = LLMEngine(cfg)

@@ -8,11 +8,12 @@ from engine_testutil import Arrival, mixed_arrivals, run_arrivals
 
 from engine import ConfigError, EngineConfig, EngineInvariantError, LLMEngine
 from engine.attention.metadata import AttentionMetadataBuilder
+from engine.attention.selector import get_attn_backend
 from engine.eagle import EagleProposer, make_draft_state_dict
 from engine.spec_decode import NgramProposer, verify_greedy
 from engine.weights import make_state_dict
 from fuzz.case import Case, Workload
-from fuzz.properties import check_fa_records
+from fuzz.verdict.properties import check_fa_records
 
 # Budget 16 < the longest prompt: chunked prefill. 4 layers split evenly over pp4.
 BASE = EngineConfig(num_hidden_layers=4, max_num_batched_tokens=16, max_model_len=64, num_gpu_blocks=96)
@@ -98,7 +99,7 @@ def test_eagle_is_chosen_when_the_engine_is_built():
 
 
 def _proposer(cfg: EngineConfig) -> EagleProposer:
-    return EagleProposer(cfg, make_state_dict(cfg), rank=0, records=None)
+    return EagleProposer(cfg, make_state_dict(cfg), rank=0, records=None, attn_backend=get_attn_backend(cfg))
 
 
 def test_eagle_draft_steps_have_their_own_metadata():

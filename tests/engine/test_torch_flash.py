@@ -10,7 +10,7 @@ from engine import EngineConfig, LLMEngine
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
-    # A GPU test (marked gpu): CI has no GPU; the H200 runs it (bench/results/issue20_pytest_gpu_h200_fa4.json).
+    # A GPU test (marked gpu): CI has no GPU; the H200 runs it (bench/results/pytest_gpu_h200_flash_attn4.json).
     pytest.skip("needs CUDA", allow_module_level=True)
 
 from engine.attention.reference import varlen_attention  # noqa: E402

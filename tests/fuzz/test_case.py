@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 from engine.faults import FAULTS
 from engine.schedule import Schedule
 from fuzz.case import CASE_FORMAT, Case, CaseFormatError, RequestSpec, Workload
-from fuzz.reproduce import REPRO_FORMAT, load_reproducer, write_reproducer
+from fuzz.campaign.reproduce import REPRO_FORMAT, load_reproducer, write_reproducer
 from fuzz.strategies import DEFAULT_LAYOUTS, FUZZ_MODEL, MODES, cases
 
 
@@ -107,6 +107,24 @@ MALFORMED = [
     ("bad_rank_order", json.dumps(_doc(schedule={"rank_order": "reverse"})), "rank_order"),
     ("copy_delay_out_of_range", json.dumps(_doc(schedule={"copy_delay": 2.0})), "copy_delay"),
     ("unknown_fault", json.dumps(_doc(faults=["pp_everything_wrong"])), "unknown fault 'pp_everything_wrong'"),
+    # Sampling params and aborts (format 6).
+    ("sampling_not_object", json.dumps(_req_doc(sampling=5)), "sampling: expected a JSON object"),
+    ("sampling_unknown_field", json.dumps(_req_doc(sampling={"temprature": 1.0})), "unknown field 'temprature'"),
+    ("sampling_negative_temperature", json.dumps(_req_doc(sampling={"temperature": -1})), "sampling.temperature"),
+    ("sampling_top_p_zero", json.dumps(_req_doc(sampling={"temperature": 1.0, "top_p": 0})), "sampling.top_p"),
+    ("sampling_greedy_children", json.dumps(_req_doc(sampling={"n": 2})), "sampling.n"),
+    ("sampling_stop_list_of_words", json.dumps(_req_doc(sampling={"stop_token_ids": ["eos"]})), "sampling"),
+    ("sampling_stop_outside_vocab", json.dumps(_req_doc(sampling={"stop_token_ids": [FUZZ_MODEL.vocab_size]})),
+     f"token id {FUZZ_MODEL.vocab_size} outside vocab"),
+    ("sampling_min_tokens_over_max", json.dumps(_req_doc(sampling={"min_tokens": 4})), "min_tokens"),
+    ("sampling_max_tokens_contradicts", json.dumps(_req_doc(sampling={"max_tokens": 7})), "contradicts"),
+    ("random_sampling_with_drafts",
+     json.dumps({**_cfg_doc(speculative_method="ngram", num_speculative_tokens=2),
+                 "workload": [{"prompt_token_ids": [1, 2], "max_tokens": 2, "sampling": {"temperature": 1.0}}]}),
+     "needs speculative_method none"),
+    ("abort_before_arrival", json.dumps(_req_doc(arrival_step=2, abort_step=1)), "abort_step"),
+    ("abort_not_int", json.dumps(_req_doc(abort_step="3")), "abort_step"),
+    ("abort_bool", json.dumps(_req_doc(abort_step=True)), "abort_step"),
 ]
 
 
@@ -221,3 +239,23 @@ def test_prompt_lengths_draw_when_no_block_or_budget_edge_fits():
         seen.append(n)
     draw()
     assert seen and all(1 <= n <= 64 for n in seen)
+
+
+def test_async_scheduling_is_written_only_when_on() -> None:
+    """Async scheduling off (and a Schedule that never waits): the JSON of before, format 2.
+    On, or a Schedule with async_wait: format 7, and it round-trips; the reference run is
+    synchronous."""
+    from fuzz.case import ASYNC_FORMAT, reference_config
+
+    plain = Case(FUZZ_MODEL, Workload((RequestSpec((1, 2, 3), 2),)))
+    d = plain.to_dict()
+    assert d["format"] == 2 and "async_scheduling" not in d["config"] and "async_wait" not in d["schedule"]
+    on = dataclasses.replace(plain, config=FUZZ_MODEL.replace(async_scheduling=True))
+    waits = dataclasses.replace(on, schedule=Schedule(seed=4, async_wait=0.5))
+    for case in (on, waits):
+        d = case.to_dict()
+        assert d["format"] == ASYNC_FORMAT == CASE_FORMAT and d["config"]["async_scheduling"] is True
+        assert Case.from_json(case.to_json()) == case
+    assert Case.from_json(waits.to_json()).schedule.async_wait == 0.5
+    assert not reference_config(on.config).async_scheduling
+    assert "async_scheduling" in on.describe()

@@ -1,0 +1,98 @@
+"""The scheduler's promised limits, checked on every SchedulerOutput before the ranks see it.
+
+A scheduler that admits one request too many, spends one token past the budget or drafts
+past a request's room usually computes the very same tokens: outputs stay bit-identical and
+no output oracle can see it, yet the ranks were sized for the limits it broke (the persistent
+batch has max_num_seqs rows, the staging buffers max_num_batched_tokens). So the driver holds
+each SchedulerOutput to the limits itself.
+
+`ScheduleLimits` shares no code or counters with the scheduler: it rebuilds what the ranks
+know from the stream of SchedulerOutputs alone (which requests they hold, how many tokens
+each has) plus each request's prompt length and max_tokens as it was added, and checks:
+  - the requests the ranks hold at once (admitted, not yet finished or preempted, in any
+    microbatch in flight) are at most max_num_seqs; every cached request scheduled is one of
+    them;
+  - the tokens of a microbatch, drafts included (as vLLM counts them), are at most
+    max_num_batched_tokens, and total_num_scheduled_tokens is their sum;
+  - no request is scheduled past max_model_len, nor past its own tokens but for drafts;
+  - drafts follow a request's last token (a one-token decode), are at most
+    num_speculative_tokens and leave room for the bonus token within max_tokens.
+"""
+from __future__ import annotations
+
+from engine.config import EngineConfig
+from engine.outputs import SchedulerOutput
+
+
+class ScheduleLimits:
+    """Checks each SchedulerOutput against the scheduler config; `check` returns the first
+    broken limit in words, or None."""
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        self.added: dict[str, tuple[int, int]] = {}  # request -> (prompt length, max_tokens)
+        self.held: set[str] = set()  # requests the ranks hold now
+        self.known: dict[str, int] = {}  # tokens the ranks know of each held request
+
+    def add_request(self, req_id: str, prompt_len: int, max_tokens: int) -> None:
+        self.added[req_id] = (prompt_len, max_tokens)
+
+    def check(self, so: SchedulerOutput) -> str | None:
+        mb = f"microbatch {so.microbatch}"
+        starts = self._update_held(so)
+        if isinstance(starts, str):
+            return f"{mb}: {starts}"
+        if len(self.held) > self.cfg.max_num_seqs:
+            return (f"{mb}: the ranks hold {len(self.held)} requests ({', '.join(sorted(self.held))}), "
+                    f"more than max_num_seqs={self.cfg.max_num_seqs}")
+        counts = so.num_scheduled_tokens
+        if set(counts) != set(starts):
+            return f"{mb}: scheduled {sorted(counts)} but shipped {sorted(starts)}"
+        total = sum(counts.values())
+        if total != so.total_num_scheduled_tokens:
+            return f"{mb}: total_num_scheduled_tokens={so.total_num_scheduled_tokens}, its requests sum to {total}"
+        if total > self.cfg.max_num_batched_tokens:
+            return f"{mb}: {total} tokens scheduled, more than max_num_batched_tokens={self.cfg.max_num_batched_tokens}"
+        for rid, n in counts.items():
+            problem = self._check_request(rid, starts[rid], n, so.scheduled_spec_decode_tokens.get(rid, []))
+            if problem:
+                return f"{mb}: request {rid}: {problem}"
+        return None
+
+    def _update_held(self, so: SchedulerOutput) -> dict[str, int] | str:
+        """Apply the microbatch to the ranks' view (drops first: a request finished or
+        preempted may be readmitted in the same microbatch); return each scheduled request's
+        computed tokens before this step."""
+        self.held -= so.finished_req_ids | so.preempted_req_ids
+        starts: dict[str, int] = {}
+        for nr in so.scheduled_new_reqs:
+            self.held.add(nr.req_id)
+            self.known[nr.req_id] = len(nr.token_ids)
+            starts[nr.req_id] = nr.num_computed_tokens
+        c = so.scheduled_cached_reqs
+        for rid, new_ids, start in zip(c.req_ids, c.new_token_ids, c.num_computed_tokens):
+            if rid not in self.held or rid in starts:
+                return f"request {rid} is scheduled as cached but the ranks do not hold it"
+            self.known[rid] += len(new_ids)
+            starts[rid] = start
+        return starts
+
+    def _check_request(self, rid: str, start: int, n: int, drafts: list[int]) -> str | None:
+        cfg, known = self.cfg, self.known[rid]
+        if n < 1:
+            return f"{n} tokens scheduled"
+        if start + n > cfg.max_model_len:
+            return f"computed {start} + scheduled {n} > max_model_len={cfg.max_model_len}"
+        if start + n - len(drafts) > known:
+            return f"scheduled up to position {start + n - len(drafts)} of its {known} tokens (drafts aside)"
+        if not drafts:
+            return None
+        if n - len(drafts) != 1 or start + 1 != known:
+            return f"{len(drafts)} drafts on a step that is not a one-token decode at the end (computed {start}, " \
+                   f"{n} scheduled, {known} tokens)"
+        prompt_len, max_tokens = self.added[rid]
+        room = min(cfg.num_speculative_tokens, max_tokens - (known - prompt_len) - 1)
+        if len(drafts) > room:
+            return f"{len(drafts)} drafts, room for {room} (num_speculative_tokens={cfg.num_speculative_tokens}, " \
+                   f"{known - prompt_len} of max_tokens={max_tokens} generated)"
+        return None

@@ -1,0 +1,400 @@
+"""Campaign: a time-budgeted Hypothesis run over Cases, with progress, stats and reproducers.
+
+The one campaign loop for every target (fuzz.targets.base: our engine, vLLM). It goes round the
+target's cells (layouts): a first round of one example each (every layout is visited before
+any gets a second), then chunks of a few examples each; or it visits each cell of a
+`sequential` target (vLLM: an engine start per cell) once for its share of the budget.
+`_find` runs Hypothesis on one chunk (a fresh seed each, or the example database in nightly
+mode) and returns the failures it found, shrunk as far as Hypothesis got within the budget;
+`_finish` minimizes each one further within the budget (fuzz.campaign.shrink_phase, with the target's
+candidates), writes it, records it and prints it. The campaign goes on (or stops, with
+`stop_on_failure`, as selftest does). After the budget, the shrink phase finishes every
+failure the budget cut short (fuzz.campaign.shrink_phase.ShrinkPhase, `shrink_budget_s`). `_persist`
+and `_rewrite` are the writers of reproducers: the first failure of a chunk is on disk the
+moment it is seen, so nothing is lost if the campaign is killed mid-shrink, and each smaller
+version replaces the one before.
+
+A chunk's seed is a function of (campaign seed, cell, the chunk's index on that cell) only
+(`chunk_seed`), so a cell draws the same Cases alone in a worker of `llmfuzz run --jobs N`
+(fuzz.campaign.jobs; `share`: its part of the campaign) as among all cells in one process.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import sys
+import time
+
+from hypothesis import HealthCheck, Phase, given, seed as hseed, settings, target
+
+from fuzz.campaign.sequential import SequentialVisits
+from fuzz.campaign.findings import case_size
+from fuzz.verdict.engine_pool import pool_capacity_for
+from fuzz.verdict.harness import Harness
+from fuzz.verdict.isolated import make_harness
+from fuzz.verdict.properties import Violation
+from fuzz.campaign.recorder import Recorder
+from fuzz.campaign.shrink_phase import Pending, Shrunk, ShrinkPhase, shrink_one
+from fuzz.stop import check_stop, clear_stop, stop_requested
+from fuzz.strategies import FUZZ_MODEL
+from fuzz.campaign.summary import CellDatabase, CellStats, Failure, Summary
+from fuzz.targets.base import Cell, Target
+from fuzz.targets.reference import HarnessTarget
+
+
+def chunk_seed(seed: int, cell: str, k: int) -> int:
+    """The Hypothesis seed of chunk `k` on `cell`. Not Python's hash() (salted per process):
+    every worker of a campaign, and every run with this seed, must agree on it."""
+    digest = hashlib.sha256(f"{seed}\0{cell}\0{k}".encode()).digest()
+    return int.from_bytes(digest[:8], "big")
+
+
+def _kind(v: Violation) -> tuple:
+    """What makes two failures the same one (fuzz.verdict.properties.same_failure)."""
+    return v.property, v.oracle, getattr(v, "signature", None)
+
+
+def _leaves(g: BaseExceptionGroup | None) -> list:
+    """The Violations inside a (possibly nested) exception group, first of each property."""
+    out, seen = [], set()
+    stack = list(g.exceptions) if g is not None else []
+    while stack:
+        e = stack.pop(0)
+        if isinstance(e, BaseExceptionGroup):
+            stack[:0] = list(e.exceptions)
+        elif isinstance(e, Violation) and (e.property, e.message) not in seen:
+            seen.add((e.property, e.message))
+            out.append(e)
+    return out
+
+
+class ShrinkOver(BaseException):
+    """Raised through Hypothesis to end its shrink of a failure at the campaign's `shrink_s` (a
+    BaseException, as KeyboardInterrupt is: Hypothesis does not take it for a failure)."""
+
+
+class Campaign(SequentialVisits):
+    def __init__(self, *, layouts=(), modes=("eager",), faults=(), seed: int = 0, out_dir: str = "reproducers",
+                 budget_s: float = 60.0, chunk: int | None = None, stop_on_failure: bool = False,
+                 progress: bool = True, base=FUZZ_MODEL, max_requests: int = 10,
+                 harness: Harness | None = None, use_database: bool = False,
+                 shrink_grace_s: float | None = None, isolate: str = "auto",
+                 oracles: frozenset[str] = frozenset(), fault_scope: str = "test",
+                 target: Target | None = None, shrink_s: float | None = None, min_cell_s: float | None = None,
+                 shrink_budget_s: float | None = None, keep_stop: bool = False, poison: str | None = None,
+                 share=None) -> None:
+        self.fault_scope = fault_scope  # "everywhere": the faults are in every run (selftest --everywhere)
+        self.poison = poison  # every Case's reset poison (engine/poison.py); None: drawn, alternating
+        self.keep_stop = keep_stop  # a stop set before `run` stops it too (selftest: one stop for all faults)
+        self.use_database = use_database
+        self.owns_target = harness is None and target is None  # closed by `run`; given ones are the caller's
+        if target is None:
+            # Without a harness given, one of our own (isolated on CUDA, as `make_harness` says),
+            # its engine pool sized for these layouts and modes.
+            harness = harness or make_harness(base.device, isolate,
+                                              pool_capacity_for(len(layouts), len(modes)), oracles)
+            target = HarnessTarget(harness, layouts, modes, faults, base, max_requests)
+        self.target, self.cells, self.harness = target, target.cells(), getattr(target, "harness", None)
+        # A worker's part of a `run --jobs` campaign (fuzz.campaign.jobs_worker.Share): chunk sizes and
+        # the first round are the whole campaign's, so its cells draw what they would in one process.
+        self.share = share
+        self.cells_total = share.cells_total if share is not None else len(self.cells)
+        # What is not given here is the target's policy (fuzz.targets.base.Target). Short
+        # budgets take short chunks, so the round robin reaches every cell.
+        chunk = target.chunk if chunk is None else chunk
+        chunk = max(2, min(chunk, int(budget_s / (4 * max(1, self.cells_total)))))
+        self.seed, self.out_dir, self.budget_s, self.chunk = seed, out_dir, budget_s, chunk
+        self.stop_on_failure, self.progress = stop_on_failure, progress
+        # Per failure while finding (None: up to the end of finding); a sequential cell's least time.
+        self.shrink_s = target.shrink_per_failure_s(budget_s) if shrink_s is None else shrink_s
+        self.min_cell_s = target.min_cell_s if min_cell_s is None else min_cell_s
+        self.summary = Summary(planned=[c.name for c in self.cells], budget_s=budget_s, seed=seed, target=target)
+        self._last_print = 0.0
+        # Cases that passed, by their JSON, with their error ratio. Each chunk's Hypothesis run
+        # starts from the simplest Case again and mutates earlier draws, so a short campaign
+        # draws many Cases twice; a Case's verdict is deterministic, so a passed one is not run
+        # again. Failing Cases are never skipped: Hypothesis's shrinker must see them fail.
+        self._passed: dict[bytes, float] = {}
+        # The shrink phase after the budget (`shrink_grace_s`: another name for it).
+        shrink_budget_s = shrink_budget_s if shrink_budget_s is not None else shrink_grace_s
+        self.shrink_budget_s = shrink_budget_s if shrink_budget_s is not None else target.shrink_phase_s(budget_s)
+        self.shrink_report: dict | None = None  # what the shrink phase did (None: it had nothing to do)
+        self._pending: list[Pending] = []  # failures the budget cut short, for the shrink phase
+        # The clock, started by `run`: the budget's end; a chunk may end later (a sequential
+        # target's cell has a least time), and finding and shrinking within it stop at its end.
+        self._t0 = self._deadline = self._chunk_end = 0.0
+        # The failure `_find` is after: the last (smallest) version Hypothesis has shown us,
+        # and the file an unfinished failure is on disk as until `_finish` replaces it.
+        self._best: Violation | None = None
+        self._shrink_end = float("inf")  # with `shrink_s`: where Hypothesis' shrink of `_best` stops
+        self.recorder = Recorder(out_dir, target, self.summary, progress,
+                                 claims=share.claims if share is not None else None)
+        self._found: dict[tuple, tuple[float, int]] = {}  # per failure kind in the chunk: (seconds, examples before)
+        self._cell, self._row = None, None  # the cell being fuzzed (Cell), and its summary row
+
+    def _find_end(self) -> float:
+        """Where finding ends, and with it the shrinking a campaign does as it goes: the budget,
+        or the end of a chunk that runs past it."""
+        return max(self._deadline, self._chunk_end)
+
+    def _body(self, case) -> None:
+        check_stop()
+        if self.fault_scope != case.fault_scope:
+            case = dataclasses.replace(case, fault_scope=self.fault_scope)
+        if self.poison is not None and self.poison != case.poison:
+            case = dataclasses.replace(case, poison=self.poison)
+        now = time.monotonic()
+        if self._best is not None and now > self._shrink_end and self.target.hypothesis_shrinks:
+            # Hypothesis' shrink has had its `shrink_s`: end it (passing Cases would not: it
+            # would go on drawing candidates, each a strategy draw) and keep the smallest so far.
+            raise ShrinkOver
+        if now > self._find_end() or (now > self._chunk_end and self._best is None):
+            # Out of time: the rest of the chunk passes untested (not counted); a shrink in
+            # progress stops and keeps the smallest failure seen so far (the shrink phase goes on).
+            return
+        if not self.target.hypothesis_shrinks and self._best is not None:
+            raise self._best  # Hypothesis replays the failure it saw: not worth another engine run
+        key = hashlib.sha1(case.key().encode()).digest()  # 20 bytes a Case: flat over long runs
+        if key in self._passed:
+            self.summary.duplicates += 1
+            # The same observation as a run would give: what Hypothesis draws next must not
+            # depend on which earlier chunks this process ran (a worker runs only some).
+            target(self._passed[key], label="error/tolerance")
+            return
+        t0, counted = time.perf_counter(), True
+        cell = self.summary.cells.setdefault(self.target.stats_key(case), CellStats())
+        try:
+            v = self.target.check(case)
+            counted = self.target.checked(v)
+            ratio = min(v.logits.ratio, 1e6)
+            target(ratio, label="error/tolerance")
+            self.target.record(cell, v)
+            self._passed[key] = ratio
+        except Violation as v:
+            self._seen(v)
+            raise
+        finally:
+            cell.examples += counted
+            cell.seconds += time.perf_counter() - t0
+            self.summary.examples += counted
+            self._print_progress()
+
+    def _seen(self, v: Violation) -> None:
+        """Hypothesis saw `v` fail: found, or a smaller version while shrinking. The first is
+        on disk at once, before shrinking: nothing is lost if the campaign is killed mid-shrink."""
+        if self.summary.first_failure_s is None:
+            self.summary.first_failure_s = time.monotonic() - self._t0
+            self.summary.first_failure_examples = self.summary.examples + 1
+        self._found.setdefault(_kind(v), (time.monotonic() - self._t0, self.summary.examples))
+        first, self._best = self._best is None, v
+        if first and self.shrink_s is not None:  # Hypothesis' shrink gets what the minimizer would
+            self._shrink_end = time.monotonic() + self.shrink_s
+        if first and self._triage(v) == "new":
+            self._persist(v, final=False)
+
+    def _persist(self, v: Violation, *, final: bool, minimal: bool = False) -> str | None:
+        """Write `v`; None when it could not be (its Case went to stderr). Another worker's
+        reproducer of the same Case and property is left as it is (`recorder.elsewhere`)."""
+        found = self._found.get(_kind(v)) or (time.monotonic() - self._t0, self.summary.examples)
+        return self.recorder.persist(v, final=final, found=found, minimal=minimal)
+
+    def _triage(self, v: Violation) -> str:
+        return self.target.triage(v, [f for f in self.summary.failures if f.cell == self._cell.name])
+
+    def _hypothesis_test(self, cell: Cell, i: int, examples: int | None = None):
+        """Chunk `i` (its index on `cell`) as a Hypothesis test of `examples` examples (default:
+        a chunk). Nightly (`use_database` and a database in the profile): random, and the
+        example database replays the cell's saved failures first. Otherwise a seed per chunk
+        (which turns the database off): reproducible, whichever process runs the chunk."""
+        # Hypothesis runs the simplest Case first in every run (one short request, tp-only
+        # options off): one extra example per chunk keeps `chunk` drawn ones. After the first
+        # rotation the simplest Case is a skipped duplicate.
+        s = settings(max_examples=examples or self.chunk + 1)
+        if not self.target.hypothesis_shrinks:  # the minimizer shrinks, within its deadline
+            s = settings(s, deadline=None, database=None, phases=(Phase.explicit, Phase.generate),
+                         suppress_health_check=list(HealthCheck))
+        db = settings.default.database
+        nightly = db is not None and self.use_database and self.target.hypothesis_shrinks
+        if nightly:
+            s = settings(s, database=CellDatabase(db, cell.name.encode()))
+
+        def body(case):
+            return self._body(case)
+        test = s(given(cell.strategy)(body))
+        return test if nightly else hseed(chunk_seed(self.seed, cell.name, i))(test)
+
+    def _find(self, cell: Cell, i: int, end: float, examples: int | None = None) -> tuple[list[Violation], bool]:
+        """Run chunk `i` on `cell` until `end`: the failures found, as small as Hypothesis got
+        them, and whether a stop (SIGINT/SIGTERM) ended the chunk. When a stop, or the end of
+        finding (late replays pass: Hypothesis calls that flaky), cuts the shrink short, the
+        smallest failure seen so far. Every exception Hypothesis raises is handled here."""
+        self._best, found, stopped, self._chunk_end, self._found = None, [], False, end, {}
+        self._shrink_end = float("inf")
+        try:
+            self._hypothesis_test(cell, i, examples)()
+        except Violation as v:
+            found = [v]
+        except ShrinkOver:
+            pass  # the smallest failure so far, below
+        except KeyboardInterrupt:
+            stopped = True
+        except BaseExceptionGroup as g:  # several failures, or Hypothesis's FlakyFailure
+            vs, rest = g.split(Violation)
+            # A Ctrl-C grouped with failures still stops the run.
+            stopped = stop_requested() or (rest is not None and rest.subgroup(KeyboardInterrupt) is not None)
+            if vs is None and self._best is None and not stopped:
+                raise
+            found = _leaves(vs)
+        except Exception:  # Hypothesis gave up mid-shrink: keep the smallest failure seen
+            # An interrupt that lands in Hypothesis's own setup can come out as another error
+            # (an AssertionError of its state, seen under load): after a stop, it is the stop.
+            stopped = stop_requested()
+            if self._best is None and not stopped:
+                raise
+        if not found and self._best is not None:
+            found = [self._best]
+        self._best = None
+        return found, stopped
+
+    def _print_progress(self, force: bool = False) -> None:
+        now = time.monotonic()
+        tty = sys.stderr.isatty()
+        # A worker's lines go to the parent, which sums them into its own progress line.
+        every = 2.0 if self.share is not None else 1.0 if tty else 15.0
+        if not self.progress or (not force and now - self._last_print < every):
+            return
+        self._last_print = now
+        s, el = self.summary, now - self._t0
+        done = min(20, int(20 * el / self.budget_s)) if self.budget_s else 20
+        line = (f"[{'#' * done}{'.' * (20 - done)}] {el:5.0f}s/{self.budget_s:.0f}s "
+                f"{s.examples} examples ({s.examples / max(el, 1e-9):.2f}/s) "
+                f"{self.target.unit} {len({k[0] for k in s.cells})}/{len(self.cells)} failures {len(s.failures)}")
+        sys.stderr.write("\r" + line if tty else line + "\n")
+        sys.stderr.flush()
+
+    def _finish(self, v: Violation, shrink: bool = True) -> bool:
+        """A failure found: triage it (a known one or a repeat is counted, not written);
+        minimize it further within the budget (unless `shrink` is off or finding is over),
+        write it once, record it in the summary (one not minimal yet is left to the shrink
+        phase), print it. True when a stop (SIGINT/SIGTERM) arrived while minimizing: the
+        smallest version so far is written."""
+        verdict = self._triage(v)
+        if verdict != "new":
+            self._skip(v, verdict)
+            return False
+        t0, row = time.monotonic(), self.target.stats_key(v.case)  # counted where it was found
+        found_s, before = self._found.get(_kind(v)) or (t0 - self._t0, self.summary.examples)
+        r = Shrunk(v, 0, False)
+        if shrink and t0 < self._find_end():
+            deadline = self._find_end() if self.shrink_s is None else min(self._find_end(), t0 + self.shrink_s)
+            r = shrink_one(v, self.target, deadline, self.target.max_shrink_checks, check_stop)
+        v, case = r.violation, r.violation.case
+        path = self._persist(v, final=True, minimal=r.minimal)
+        if path is not None and self.recorder.elsewhere:
+            # Another worker found and wrote this very reproducer first: a repeat, not a second file.
+            self.summary.repeats += 1
+            if self.progress:
+                sys.stderr.write(f"\nREPEAT {v.property}: {case.describe()}\n  -> {path} (written by another worker)\n")
+            return r.stopped
+        if path is None or not any(f.path == path for f in self.summary.failures):
+            f = Failure(v.property, v.message, case.describe(), path, v.error_ratio, v.oracle, v.second_opinion,
+                        self._cell.name, {"signature": getattr(v, "signature", None), "shrink_checks": r.checks,
+                                          "row": self.target.stats_key(case)[0], "counted_in": list(row)},
+                        seconds_to_find=round(found_s, 2), examples_before=before, size=case_size(case),
+                        minimal=r.minimal, shrink_seconds=round(time.monotonic() - t0, 2))
+            self.summary.failures.append(f)
+            self.summary.cells.setdefault(row, CellStats()).failures += 1
+            if shrink and not r.stopped and not r.minimal and r.reproducible and path is not None:
+                self._pending.append(Pending(f, v, confirmed=r.checks > 0))
+        if self.target.ends_cell(v):
+            self._row.stopped = f"crashed ({v.property}: {getattr(v, 'signature', None)})"
+        if self.progress:
+            by = f" (against {v.oracle})" if v.oracle else ""
+            sys.stderr.write(f"\nFOUND {v.property}{by} after {found_s:.1f}s: {v.message}\n  {case.describe()}\n"
+                             f"  -> {path}{'' if r.minimal else ' (not minimal yet)'}\n")
+        return r.stopped
+
+    def _skip(self, v: Violation, verdict: str) -> None:
+        if verdict == "repeat":
+            self._row.repeats += 1
+            return
+        sig = getattr(v, "signature", None)  # a known crash would only be met again: the cell ends
+        self._row.known.append(sig)
+        self._row.stopped = f"known failure {sig}"
+
+    def _visit(self, cell: Cell, row: CellStats, i: int, end: float, examples: int | None = None) -> bool:
+        """One chunk on `cell`, its failures finished. True when the campaign should stop."""
+        self._cell, self._row = cell, row
+        found, stopped = self._find(cell, i, end, examples)
+        for v in found:  # after a stop, the rest are written as they are
+            stopped = self._finish(v, shrink=not stopped) or stopped
+        if stopped:
+            self.summary.interrupted = True
+            return True
+        if self.stop_on_failure and self.summary.failures:
+            if self.share is not None:
+                self.share.end_all()  # the other workers end at their next chunk
+            return True
+        return False
+
+    def _run_round_robin(self) -> None:
+        # A worker that shares its cell with others runs every `streams`-th chunk of it, from
+        # `stream` on: together they run the chunks one process would, each chunk once.
+        stream, streams = (self.share.stream, self.share.streams) if self.share is not None else (0, 1)
+        k = [stream] * len(self.cells)  # each cell's next chunk index
+        i = 0
+        while time.monotonic() < self._deadline:
+            check_stop()
+            if self.share is not None and self.share.ended():
+                return
+            # One cell per chunk, round robin. The first round gives each cell one example (its
+            # simplest Case, engines built): on a short budget every layout is visited before any
+            # gets a second. A layout's summary rows are per mode (stats_key), and a round-robin
+            # target never ends, skips or repeats a cell: its own row is a scratch one.
+            c = i % len(self.cells)
+            first_round = k[c] == 0 and self.cells_total > 1
+            if self._visit(self.cells[c], CellStats(), k[c], self._deadline, 1 if first_round else None):
+                return
+            k[c] += streams
+            i += 1
+
+    def _shrink_phase(self) -> None:
+        """After the budget: minimize what it cut short, within `shrink_budget_s`."""
+        phase = ShrinkPhase(self.target, self.shrink_budget_s, self.recorder.rewrite, check_stop,
+                            max_checks=10 * self.target.max_shrink_checks, progress=self.progress)
+        try:
+            if phase.run(self._pending):
+                self.summary.interrupted = True
+        finally:
+            self.shrink_report = phase.report(self._pending)
+
+    def run(self) -> Summary:
+        self._t0 = time.monotonic()
+        self._deadline = self._t0 + self.budget_s
+        self.target.begin(self.budget_s)
+        if not self.keep_stop:
+            clear_stop()  # a stop belongs to the run it interrupted (tests call main() in-process)
+        try:  # from here on, an interrupt still prints the summary and closes our target
+            sys.stderr.write(f"llmfuzz: campaign started: {self.target.describe()}, "
+                             f"budget {self.budget_s:.0f}s\n")
+            sys.stderr.flush()
+            if self.target.sequential:
+                self._run_sequential()
+            else:
+                self._run_round_robin()
+            if self._pending and not self.summary.interrupted:
+                self._shrink_phase()
+        except KeyboardInterrupt:
+            self.summary.interrupted = True
+        except Exception:
+            if not stop_requested():  # after a stop, an error is the interrupt's (see `_find`)
+                raise
+            self.summary.interrupted = True
+        finally:
+            self.summary.seconds = time.monotonic() - self._t0
+            self._print_progress(force=True)
+            if self.progress:
+                sys.stderr.write("\n")
+            if self.owns_target:
+                self.target.close()
+        return self.summary

@@ -1,0 +1,97 @@
+"""Any black-box engine as a campaign target (fuzz.targets.base.Target): a runner of the
+protocol in fuzz.targets.blackbox, checked by `BlackBoxChecker`, fuzzed by the normal campaign
+(`fuzz.campaign.loop.Campaign(target=BlackBoxTarget(...))`).
+
+- cells: one per layout, as our engine's (`blackbox_cases`: config and workload drawn by
+  fuzz.strategies, with sampling params where the runner takes them; no faults, aborts or
+  harness schedules, which only our white-box harness can drive);
+- check: the checker's verdict; simpler: fuzz.targets.simpler's candidates;
+- a crash writes one reproducer per signature (found again in another cell: counted);
+- reproducers name the target (`blackbox_target`): `llmfuzz.replay(path, target=...)` runs
+  them again on it.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hypothesis import strategies as st
+
+from fuzz.case import Case, RequestSpec, Workload
+from fuzz.strategies import DEFAULT_LAYOUTS, FUZZ_MODEL, engine_configs, workloads
+from fuzz.targets.base import Cell, Target
+
+
+@st.composite
+def blackbox_cases(draw, layouts=DEFAULT_LAYOUTS, modes=("eager",), base=FUZZ_MODEL, max_requests: int = 8,
+                   sampling: bool = False) -> Case:
+    """Cases a black box can run: our engine's configs and workloads (fuzz.strategies), with
+    sampling params when `sampling`; shrinks as they do."""
+    cfg = draw(engine_configs(tuple(layouts), tuple(modes), base))
+    return Case(cfg, draw(workloads(cfg, max_requests, sampling=sampling)))
+
+
+def _on(template: Case):
+    """Workload -> the template Case with it (a function per cell: Hypothesis maps draws with it)."""
+    return lambda wl: replace(template, workload=wl)
+
+
+def config_cells(configs, name, max_requests: int = 8) -> list[Cell]:
+    """One cell per planned config (`configs`: (EngineConfig, options) pairs, the options'
+    `on(case)` making the Case the target's; `name(cfg, opts)`: the cell's name): Hypothesis
+    draws workloads (fuzz.strategies.workloads) on that config; `data` is the template Case
+    (the config and options the engine starts with)."""
+    out = []
+    for cfg, opts in configs:
+        template = opts.on(Case(cfg, Workload((RequestSpec((1,), 1),))))
+        out.append(Cell(name(cfg, opts), workloads(cfg, max_requests).map(_on(template)), template))
+    return out
+
+
+class BlackBoxTarget(Target):
+    """`checker`: a fuzz.targets.blackbox.BlackBoxChecker, or a runner of the protocol (an
+    llmfuzz.Target) to make one for, named by its `name`; closed with this target when `own`.
+    `sampling` (default: what the runner supports): requests may have sampling params."""
+
+    unit = "layouts"
+
+    def __init__(self, checker, layouts=("tp1pp1",), modes=("eager",), base=FUZZ_MODEL, max_requests: int = 8,
+                 sampling: bool | None = None, own: bool = True) -> None:
+        from fuzz.targets.blackbox import BlackBoxChecker
+
+        if not isinstance(checker, BlackBoxChecker):
+            checker = BlackBoxChecker(checker, getattr(checker, "name", "target"))
+        self.checker, self.name, self.own = checker, checker.name, own
+        self.layouts, self.modes, self.base, self.max_requests = tuple(layouts), tuple(modes), base, max_requests
+        self.sampling = getattr(checker.runner, "supports_sampling", False) if sampling is None else sampling
+        self.written: dict[str, str] = {}  # crash signature -> the cell that first reported it
+
+    def cells(self) -> list[Cell]:
+        return [Cell(f"{self.name}:{lay}", blackbox_cases((lay,), self.modes, self.base, self.max_requests,
+                                                          self.sampling), lay) for lay in self.layouts]
+
+    def check(self, case):
+        return self.checker.check(case)
+
+    def reproducer_meta(self, case, violation) -> dict:
+        meta = {"blackbox_target": self.name}
+        if getattr(violation, "signature", None):
+            meta["signature"] = violation.signature
+        return meta
+
+    def triage(self, violation, earlier: list) -> str:
+        sig = getattr(violation, "signature", None)
+        if sig is None or violation.case is None:
+            return "new"
+        here = self.stats_key(violation.case)[0]  # the cell's row: a layout, or a target's config
+        return "new" if self.written.setdefault(sig, here) == here else "known"
+
+    def record(self, stats, verdict) -> None:
+        n = stats.notes
+        n["max_lp_error_vs_reference"] = max(n.get("max_lp_error_vs_reference", 0.0), verdict.vs_reference.max_lp_error)
+
+    def describe(self) -> str:
+        return f"{self.name}, {len(self.layouts)} layout(s), modes {','.join(self.modes)}"
+
+    def close(self) -> None:
+        if self.own:
+            self.checker.close()

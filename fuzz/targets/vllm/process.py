@@ -1,0 +1,155 @@
+"""The vLLM worker process from the outside: its handle (`_Worker`), reading its replies
+with a no-progress watchdog and the stop flag, dumping every process's stacks, killing its
+process group. Used by `fuzz.targets.vllm.runner.VLLMRunner`; standard library only.
+
+Each worker is started in a session of its own (`start_new_session`), so its process group
+holds the worker and everything vLLM spawns from it (tp/pp workers, their helpers): killing
+the group leaves nothing behind, and signalling it reaches every Python process for a stack
+dump.
+"""
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+
+
+@dataclass
+class _Worker:
+    """A worker process: its config's engine key and cell name once it has one."""
+
+    proc: subprocess.Popen
+    key: str
+    cell: str
+    log_path: str
+    buf: bytes = b""
+    spawned: float = 0.0  # time.monotonic() of its spawn
+
+
+def kill_group(w: _Worker) -> None:
+    """SIGKILL the process group of a worker the runner started (the worker and vLLM's children)."""
+    try:
+        os.killpg(w.proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        w.proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+    for f in (w.proc.stdin, w.proc.stdout):
+        try:
+            f.close()
+        except OSError:
+            pass
+
+
+def stop_worker(w: _Worker, kill=kill_group) -> None:
+    """Ask a worker to exit (`{"cmd": "exit"}`, the protocol of both the vLLM and the
+    transformers-cb workers); its whole group is killed after 5 s, or at once if it is dead."""
+    try:
+        if w.proc.poll() is None:
+            w.proc.stdin.write(b'{"cmd": "exit"}\n')
+            w.proc.stdin.flush()
+            w.proc.wait(timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    kill(w)
+
+
+def read_reply(w: _Worker, timeout: float, idle: float | None = None, on_stop=None) -> dict | None:
+    """The next reply line other than progress; None after `timeout` in all or `idle`
+    without any line (progress lines count: the worker writes one per engine step);
+    EOFError if the worker's stdout closed. A stop (fuzz.stop) runs `on_stop`, kills the
+    worker's group and raises StopRequested within half a second."""
+    from fuzz.stop import StopRequested, stop_requested
+
+    t0 = time.monotonic()
+    deadline, last = t0 + timeout, t0
+    fd = w.proc.stdout.fileno()
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        while True:
+            while b"\n" in w.buf:
+                line, w.buf = w.buf.split(b"\n", 1)
+                msg = json.loads(line)
+                if msg.get("event") != "progress":
+                    return msg
+                last = time.monotonic()
+            if stop_requested():
+                if on_stop is not None:
+                    on_stop()
+                kill_group(w)
+                raise StopRequested
+            now = time.monotonic()
+            left = min(deadline - now, (last + idle - now) if idle is not None else deadline - now)
+            if left <= 0:
+                return None
+            if not sel.select(timeout=min(left, 0.5)):
+                continue
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                raise EOFError
+            w.buf += chunk
+
+
+def dump_stacks(w: _Worker, stacks_dir: str, wait_s: float = 2.0) -> dict[int, str]:
+    """Every process of the worker's group dumps its Python stacks (SIGUSR1: faulthandler,
+    registered by site/sitecustomize.py): pid -> dump."""
+    pids = group_pids(w.proc.pid)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except (ProcessLookupError, PermissionError):
+            pass
+    time.sleep(wait_s)
+    out = {}
+    for pid in pids:
+        try:
+            with open(os.path.join(stacks_dir, f"{pid}.txt")) as f:
+                text = f.read()
+        except OSError:
+            continue
+        if text.strip():
+            out[pid] = text
+    return out
+
+
+def proc_stats() -> dict[int, list[str]]:
+    """Every live process's /proc/PID/stat fields after its name (state, ppid, pgrp, ...);
+    zombies are left out: they are dead, only not yet reaped."""
+    out = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                stat = f.read()
+            fields = stat[stat.rindex(")") + 2:].split()
+        except (OSError, ValueError):
+            continue
+        if fields and fields[0] != "Z":
+            out[int(d)] = fields
+    return out
+
+
+def group_pids(pgid: int) -> list[int]:
+    """The processes of a process group (Linux /proc), the leader first."""
+    out = [pid for pid, fields in proc_stats().items() if int(fields[2]) == pgid]
+    return sorted(out, key=lambda p: (p != pgid, p))
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid` (by parent pid in /proc)."""
+    children: dict[int, list[int]] = {}
+    for p, fields in proc_stats().items():
+        children.setdefault(int(fields[1]), []).append(p)
+    out, stack = [], list(children.get(pid, []))
+    while stack:
+        p = stack.pop()
+        out.append(p)
+        stack.extend(children.get(p, []))
+    return out

@@ -1,0 +1,320 @@
+"""Runs Cases on a real vLLM: the same Cases as our reference engine, through `vllm.LLM`.
+
+How it runs
+-----------
+`VLLMRunner` keeps ONE `vllm.LLM` alive across Cases (a run of a few requests costs well
+under a second), in a child process (`worker.py`, run by the Python that has vLLM:
+`LLMFUZZ_VLLM_PYTHON`, else this one), with vLLM's engine core in that same process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`: one process fewer to spawn and import vLLM into). A
+Case whose vLLM config differs from the live engine's shuts it down and starts another
+(one engine at a time: memory and cores are scarce) in the SPARE worker, which imported
+vLLM while the previous config was fuzzed; each start is recorded in `starts`.
+A crash (an exception out of `LLMEngine.step`, a dead worker process) kills the child's
+process group and raises `TargetFailure` keyed by its signature: exception type +
+innermost vLLM frame of the *root* traceback (the first ERROR-level traceback vLLM's
+processes logged during the run, e.g. the PP worker's AssertionError, rather than the
+engine client's generic EngineDeadError). A hang (no step's progress for `hang_s`) first
+has every process of the group dump its stacks, and is keyed by the stuck frame
+(fuzz.targets.vllm.stacks). The next Case starts a fresh engine.
+
+What a process starts with (config -> `vllm.LLM` arguments, environment, checkpoint):
+`fuzz.targets.vllm.launch`. The properties checked on a run and the tolerance:
+`fuzz.targets.vllm.checker`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from fuzz.case import Case, RequestSpec
+from fuzz.targets.runs import (RequestResult, TargetFailure, TargetRun, package_path, parse_tracebacks, request_items,
+                               signature)
+from fuzz.targets.vllm import launch
+from fuzz.targets.vllm.configs import VLLM_MODEL, VLLMOptions, cell_name
+from fuzz.targets.vllm.launch import checkpoint_dir, llm_kwargs, worker_env
+from fuzz.targets.vllm.process import _Worker, dump_stacks, kill_group, read_reply, stop_worker
+from fuzz.targets.vllm.stacks import vllm_frames
+
+
+@dataclass
+class EngineStats:
+    starts: int = 0
+    startup_s: float = 0.0
+    runs: int = 0
+    run_s: float = 0.0
+    failures: int = 0
+
+
+class VLLMRunner:
+    """One live vLLM engine at a time, reused across Cases with the same config, and one
+    spare worker with vLLM already imported, waiting for the next config.
+
+    Time bounds: start-up `startup_timeout_s`; a run `run_timeout_s` + per token, and
+    `hang_s` without a step's progress (the worker reports every step): then every process
+    of the group dumps its stacks (SIGUSR1, faulthandler) and the hang is named by the stuck
+    frame (fuzz.targets.vllm.stacks). `deadline` (time.monotonic(), set by the campaign): no
+    start or run goes past it. A stop (SIGINT/SIGTERM: fuzz.stop) kills the group at once."""
+
+    def __init__(self, *, python: str | None = None, top_k: int = 5, startup_timeout_s: float = 300.0,
+                 run_timeout_s: float = 180.0, run_timeout_per_token_s: float = 1.0, hang_s: float = 40.0,
+                 log_dir: str | None = None, spare: bool = True) -> None:
+        # vllm_python and WORKER are looked up on their module, so either can be pointed elsewhere.
+        self.python = python or launch.vllm_python()
+        self.top_k = top_k
+        self.startup_timeout_s, self.hang_s, self.spare = startup_timeout_s, hang_s, spare
+        self.run_timeout_s, self.run_timeout_per_token_s = run_timeout_s, run_timeout_per_token_s
+        self._own_log_dir = log_dir is None
+        self.log_dir = log_dir or tempfile.mkdtemp(prefix="llmfuzz-vllm-logs-")
+        self.stacks_dir = os.path.join(self.log_dir, "stacks")
+        self.drafts_dir = os.path.join(self.log_dir, "drafts")
+        os.makedirs(self.stacks_dir, exist_ok=True)
+        os.makedirs(self.drafts_dir, exist_ok=True)
+        self.stats: dict[str, EngineStats] = {}
+        self.starts: list[dict] = []  # per engine start: cell, seconds waited, import done before
+        self.vllm_version: str | None = None
+        self.deadline: float | None = None
+        self.last_drafts: dict = {}  # the last run's n-gram drafts, by request (worker.py)
+        self._w: _Worker | None = None
+        self._spare: _Worker | None = None
+        self._n_logs = 0
+
+    # -- engine lifecycle -------------------------------------------------------------------
+    # The black-box runner protocol (fuzz.targets.blackbox): run, engine_key, close.
+    supports_sampling = False  # the worker samples greedily (temperature 0, ignore_eos)
+    supports_prompt_logprobs = True
+
+    def engine_key(self, case: Case) -> str:
+        return self.config_key(case.config, VLLMOptions.of(case))
+
+    @staticmethod
+    def config_key(cfg: EngineConfig, opts: VLLMOptions) -> str:
+        return json.dumps({"model": checkpoint_dir(cfg), "kw": llm_kwargs(cfg, opts),
+                           "bind": worker_env(cfg).get("VLLM_CPU_OMP_THREADS_BIND")}, sort_keys=True)
+
+    def _spawn(self, tag: str) -> _Worker:
+        """A worker that imports vLLM and waits for its config (`--warm`)."""
+        self._n_logs += 1
+        log_path = os.path.join(self.log_dir, f"{self._n_logs:03d}-{tag}.log")
+        env = worker_env(VLLM_MODEL)
+        env.update(LLMFUZZ_VLLM_STACKS=self.stacks_dir, LLMFUZZ_VLLM_DRAFTS=self.drafts_dir)
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen([self.python, launch.WORKER, "--warm"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=log, env=env, start_new_session=True)
+        return _Worker(proc, "", tag, log_path, spawned=time.monotonic())
+
+    def _cap(self, timeout: float) -> float:
+        return timeout if self.deadline is None else max(0.0, min(timeout, self.deadline - time.monotonic()))
+
+    def _start(self, cfg: EngineConfig, opts: VLLMOptions) -> _Worker:
+        key = self.config_key(cfg, opts)
+        cell = cell_name(cfg, opts)
+        st = self.stats.setdefault(cell, EngineStats())
+        w, self._spare = self._spare, None
+        warm = w is not None and w.proc.poll() is None
+        if not warm:
+            if w is not None:
+                self._kill(w)
+            w = self._spawn(cell)
+        w.key, w.cell = key, cell
+        env = {k: v for k, v in worker_env(cfg).items() if k.startswith("VLLM_")}
+        spec = json.dumps({"model": checkpoint_dir(cfg), "llm_kwargs": llm_kwargs(cfg, opts), "env": env})
+        t0 = time.perf_counter()
+        st.starts += 1
+        try:
+            w.proc.stdin.write((spec + "\n").encode())
+            w.proc.stdin.flush()
+            timeout = self._cap(self.startup_timeout_s)
+            reply = self._read(w, timeout)
+        except (EOFError, BrokenPipeError, OSError):
+            reply = {"event": "died"}
+        wall = time.perf_counter() - t0
+        # Every start is recorded, failed ones too: their time is start-up time as well, and
+        # the shrinker's estimate of what a start costs comes from here.
+        self.starts.append({"cell": cell, "seconds": round(wall, 1), "warm": warm,
+                            "kind": [cfg.world_size, cfg.cudagraph_mode != "NONE"],
+                            "import_s": round(float((reply or {}).get("import_s", 0.0)), 1),
+                            "init_s": round(float((reply or {}).get("startup_s", 0.0)), 1),
+                            "ok": bool(reply and reply.get("event") == "ready")})
+        st.startup_s += wall
+        if self.spare and (self.deadline is None or time.monotonic() < self.deadline):
+            self._spare = self._spawn("spare")  # imports vLLM while this engine is fuzzed (or the next starts)
+        if reply is None:
+            st.failures += 1
+            if timeout < self.startup_timeout_s and self.deadline is not None and time.monotonic() >= self.deadline:
+                self._kill(w)
+                raise TargetFailure("deadline", "deadline", "the campaign's time ran out during start-up", w.log_path)
+            raise self._hang("startup", w, f"no reply within {timeout:.0f}s of start-up", "hang@startup")
+        if reply.get("event") != "ready":
+            raise self._ended("startup", w, st, reply, 0)
+        self.vllm_version = reply.get("vllm_version")
+        return w
+
+    def ensure(self, cfg: EngineConfig, opts: VLLMOptions = VLLMOptions()) -> None:
+        key = self.config_key(cfg, opts)
+        if self._w is not None and (self._w.key != key or self._w.proc.poll() is not None):
+            self.shutdown()
+        if self._w is None:
+            self._w = self._start(cfg, opts)
+
+    def is_live(self, cfg: EngineConfig, opts: VLLMOptions) -> bool:
+        return self._w is not None and self._w.key == self.config_key(cfg, opts) and self._w.proc.poll() is None
+
+    def shutdown(self) -> None:
+        """Stop the live engine: asked to exit, killed (its whole group) after 5 s."""
+        w, self._w = self._w, None
+        if w is not None:
+            stop_worker(w, self._kill)
+
+    def kill_all(self) -> None:
+        """SIGKILL every process group this runner started, now (a stop)."""
+        for w in (self._w, self._spare):
+            if w is not None:
+                self._kill(w)
+        self._w = self._spare = None
+
+    def close(self) -> None:
+        """Shut the engine and the spare down; drop the logs unless something failed (their
+        paths are in the failures' messages)."""
+        self.shutdown()
+        if self._spare is not None:
+            self._kill(self._spare)
+            self._spare = None
+        if self._own_log_dir and not any(s.failures for s in self.stats.values()):
+            import shutil
+
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+
+    # -- I/O ---------------------------------------------------------------------------------
+    _kill = staticmethod(kill_group)
+
+    def _read(self, w: _Worker, timeout: float, idle: float | None = None) -> dict | None:
+        """The next reply other than progress (fuzz.targets.vllm.process.read_reply); a stop
+        kills this runner's every process group first."""
+        return read_reply(w, timeout, idle, on_stop=self.kill_all)
+
+    def dump_stacks(self, w: _Worker, wait_s: float = 2.0) -> dict[int, str]:
+        return dump_stacks(w, self.stacks_dir, wait_s)
+
+    def _hang(self, kind: str, w: _Worker, detail: str, fallback: str, log_offset: int = 0) -> TargetFailure:
+        """No progress: dump every process's stacks and kill. A worker that raised before the
+        engine stalled (its ERROR traceback in the log) names the hang, as its crash would:
+        the stuck frame is then only a generic wait. Otherwise the stuck frame names it."""
+        from fuzz.targets.vllm.stacks import describe, hang_signature
+
+        dumps = self.dump_stacks(w)
+        self._kill(w)
+        stuck = f"stuck: {describe(dumps)}"
+        root = self._root_traceback(self._log_since(w, log_offset))
+        if root is not None:
+            sig, raised = root
+            return TargetFailure(kind, sig, f"{detail}; after {raised}; {stuck}"[:800], w.log_path)
+        return TargetFailure(kind, hang_signature(dumps, fallback), f"{detail}; {stuck}"[:600], w.log_path)
+
+    def _ended(self, kind: str, w: _Worker, st: EngineStats, reply: dict, log_offset: int) -> TargetFailure:
+        """The worker answered with an error or died instead of the expected event: let a dying
+        process finish (its last log lines name the crash), end the group, count the failure."""
+        if reply.get("event") == "died":
+            try:
+                w.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        self._kill(w)
+        st.failures += 1
+        return self._failure(kind, w, reply if reply.get("event") == "error" else None, log_offset)
+
+    def _failure(self, kind: str, w: _Worker, reply: dict | None, log_offset: int) -> TargetFailure:
+        """Signature from the root traceback in the log since `log_offset`, else the reply's."""
+        log = self._log_since(w, log_offset)
+        root = self._root_traceback(log)
+        client = None
+        if reply is not None and reply.get("event") == "error":
+            client = signature(reply["type"], vllm_frames(reply.get("frames", [])), "vllm")
+        if root is not None:
+            sig, detail = root
+            if client and client != sig:
+                detail += f"; engine client saw {client}: {reply.get('message', '')[:200]}"
+        elif client:
+            sig, detail = client, f"{reply['type']}: {reply.get('message', '')}"[:400]
+        else:
+            rc = w.proc.poll()
+            sig = f"ProcessDied(rc={rc})@vllm_worker"
+            tail = log.strip().splitlines()[-3:]
+            detail = " | ".join(tail)[:400]
+        return TargetFailure(kind, sig, detail, w.log_path)
+
+    @staticmethod
+    def _log_since(w: _Worker, log_offset: int) -> str:
+        try:
+            with open(w.log_path, "rb") as f:
+                f.seek(log_offset)
+                return f.read().decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+    @staticmethod
+    def _root_traceback(log: str) -> tuple[str, str] | None:
+        """(signature, what was raised where) of the first error traceback through vLLM's code
+        in `log`, or None."""
+        roots = [tb for tb in parse_tracebacks(log)
+                 if tb.level not in ("INFO", "WARNING", "DEBUG")
+                 and any(package_path(fr["file"], "vllm") for fr in vllm_frames(tb.frames))]
+        if not roots:
+            return None
+        r = roots[0]
+        last = r.frames[-1]
+        where = f"{os.path.basename(last['file'])}:{last['line']}" + (f" `{last['code']}`" if last.get("code") else "")
+        detail = f"{r.process or 'vLLM'}: {r.exc_type}" + (f": {r.message}" if r.message else "") + f" at {where}"
+        return signature(r.exc_type, vllm_frames(r.frames), "vllm"), detail[:400]
+
+    # -- running ------------------------------------------------------------------------------
+    def run(self, case: Case, items: list[tuple[str, RequestSpec]] | None = None, prompt_logprobs: bool = False,
+            opts: VLLMOptions | None = None) -> TargetRun:
+        """Run the Case's workload (or `items`, (request id, spec) pairs) on the engine for
+        its config and options (`opts`, else the Case's), with top-k prompt logprobs if asked;
+        raise TargetFailure on a crash, a hang or a failed start."""
+        items = request_items(case) if items is None else items
+        opts = VLLMOptions.of(case) if opts is None else opts
+        self.ensure(case.config, opts)
+        w = self._w
+        st = self.stats[w.cell]
+        tokens = sum(len(r.prompt_token_ids) + r.max_tokens for _, r in items)
+        timeout = self._cap(self.run_timeout_s + self.run_timeout_per_token_s * tokens)
+        cmd = {"cmd": "run", "logprobs": self.top_k, "prompt_logprobs": self.top_k if prompt_logprobs else None,
+               "requests": [{"id": rid, "prompt_token_ids": list(r.prompt_token_ids), "max_tokens": r.max_tokens,
+                             "arrival_step": r.arrival_step} for rid, r in items]}
+        log_offset = os.path.getsize(w.log_path)
+        t0 = time.perf_counter()
+        try:
+            w.proc.stdin.write((json.dumps(cmd) + "\n").encode())
+            w.proc.stdin.flush()
+            reply = self._read(w, timeout, idle=self.hang_s)
+        except (EOFError, BrokenPipeError, OSError):
+            reply = {"event": "died"}
+        except BaseException:
+            self._w = None
+            raise
+        st.runs += 1
+        st.run_s += time.perf_counter() - t0
+        if reply is None:
+            self._w = None
+            st.failures += 1
+            if self.deadline is not None and time.monotonic() >= self.deadline:
+                self._kill(w)
+                raise TargetFailure("deadline", "deadline", "the campaign's time ran out during a run", w.log_path)
+            raise self._hang("hang", w, f"no progress for {min(self.hang_s, timeout):.0f}s", "hang@run", log_offset)
+        if reply.get("event") != "result":
+            self._w = None
+            raise self._ended("crash", w, st, reply, log_offset)
+        results = {}
+        for rid, r in reply["results"].items():
+            results[rid] = RequestResult(
+                tuple(r["token_ids"]), tuple(tuple((int(t), float(lp)) for t, lp in pos) for pos in r["logprobs"]),
+                tuple(tuple((int(t), float(lp)) for t, lp in pos) for pos in r.get("prompt_logprobs") or ()))
+        run = TargetRun(results, float(reply["seconds"]), int(reply["steps"]))
+        self.last_drafts = reply.get("drafts") or {}
+        return run

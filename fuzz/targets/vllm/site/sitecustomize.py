@@ -1,0 +1,150 @@
+"""Loaded at start-up by every Python process of a vLLM target's process group: the target
+puts this directory on PYTHONPATH, so the llmfuzz worker, vLLM's engine core and vLLM's
+spawned tp/pp workers all run it (vLLM on CPU spawns; a fork inherits it). Standard
+library only; vLLM modules are patched only when they are imported (an import hook), so a
+process that never imports vLLM pays nothing.
+
+- Stacks on demand: `LLMFUZZ_VLLM_STACKS=DIR` registers faulthandler on SIGUSR1, writing
+  every thread's Python stack to DIR/<pid>.txt. The target's watchdog sends SIGUSR1 to the
+  whole process group when progress stops, then names the hang by the stuck frame
+  (fuzz/targets/vllm/stacks.py). One file per process: dumps of several processes would
+  interleave in one log.
+- Drafts: `LLMFUZZ_VLLM_DRAFTS=DIR` wraps the v1 model runner's `propose_draft_token_ids`
+  and appends, per step, each request's n-gram draft with the number of tokens it was
+  drafted from to DIR/<pid>.jsonl; llmfuzz recomputes the drafts from the final tokens
+  (fuzz/targets/vllm/drafts.py). vLLM's metrics only count drafts, they cannot tell a
+  wrong draft from a rejected one.
+- Planted bugs (`LLMFUZZ_VLLM_PLANT`, for the tests that show a property catches them):
+  `ngram_offbyone`: the n-gram proposer matches the window that ends one token early;
+  `hang_schedule:N`: the N-th `Scheduler.schedule` call sleeps forever in `planted_hang`.
+"""
+import faulthandler
+import importlib.abc
+import json
+import os
+import signal
+import sys
+import time
+
+_PLANT = os.environ.get("LLMFUZZ_VLLM_PLANT", "")
+
+
+def _register_stacks() -> None:
+    d = os.environ.get("LLMFUZZ_VLLM_STACKS")
+    if not d:
+        return
+    try:
+        f = open(os.path.join(d, f"{os.getpid()}.txt"), "w")  # noqa: SIM115 - lives as long as the process
+        faulthandler.register(signal.SIGUSR1, file=f, all_threads=True, chain=False)
+        _register_stacks.file = f
+    except (OSError, ValueError, RuntimeError):
+        pass
+
+
+_register_stacks()
+os.register_at_fork(after_in_child=_register_stacks)
+
+
+def planted_hang() -> None:
+    """The planted hang's stuck frame (its signature names this function)."""
+    while True:
+        time.sleep(3600)
+
+
+def _patch_runner(mod) -> None:
+    d = os.environ.get("LLMFUZZ_VLLM_DRAFTS")
+    cls = getattr(mod, "GPUModelRunner", None)
+    if not d or cls is None or getattr(cls, "_llmfuzz_drafts", False):
+        return
+    orig = cls.propose_draft_token_ids
+
+    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *a, **kw):
+        out = orig(self, scheduler_output, sampled_token_ids, *a, **kw)
+        spec = getattr(self, "speculative_config", None)
+        if spec is None or spec.method != "ngram" or not isinstance(out, list):
+            return out
+        batch, recs = self.input_batch, []
+        max_len = self.model_config.max_model_len
+        for i, rid in enumerate(batch.req_ids):
+            if i >= len(out) or i >= len(sampled_token_ids) or not len(sampled_token_ids[i]):
+                continue  # a partial prefill: no token sampled, so no draft asked for
+            n = int(batch.num_tokens_no_spec[i])
+            if n >= max_len:
+                continue
+            recs.append([rid, n, int(scheduler_output.num_spec_tokens_to_schedule), [int(t) for t in out[i]]])
+        if recs:
+            with open(os.path.join(d, f"{os.getpid()}.jsonl"), "a") as f:
+                f.write(json.dumps(recs) + "\n")
+        return out
+
+    cls.propose_draft_token_ids = propose_draft_token_ids
+    cls._llmfuzz_drafts = True
+
+
+def _patch_ngram(mod) -> None:
+    if _PLANT != "ngram_offbyone":
+        return
+    import numpy as np
+
+    orig = mod.NgramProposer.propose
+
+    def propose(self, k, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, *a, **kw):
+        # The planted bug: the suffix window ends one token early (greedy verification still
+        # keeps the output right: only the drafts, and the acceptance, go wrong).
+        return orig(self, k, sampled_token_ids, np.maximum(np.asarray(num_tokens_no_spec) - 1, 0), token_ids_cpu,
+                    *a, **kw)
+
+    mod.NgramProposer.propose = propose
+
+
+def _patch_scheduler(mod) -> None:
+    if not _PLANT.startswith("hang_schedule:"):
+        return
+    at, calls = int(_PLANT.split(":", 1)[1]), [0]
+    orig = mod.Scheduler.schedule
+
+    def schedule(self, *a, **kw):
+        calls[0] += 1
+        if calls[0] == at:
+            planted_hang()
+        return orig(self, *a, **kw)
+
+    mod.Scheduler.schedule = schedule
+
+
+_PATCHES = {"vllm.v1.worker.gpu_model_runner": _patch_runner,
+            "vllm.v1.spec_decode.ngram_proposer": _patch_ngram,
+            "vllm.v1.core.sched.scheduler": _patch_scheduler}
+
+
+class _Hook(importlib.abc.MetaPathFinder):
+    """Runs a patch right after its vLLM module is executed."""
+
+    def find_spec(self, name, path, target=None):
+        if name not in _PATCHES:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            import importlib.util
+
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return spec
+        loader, patch = spec.loader, _PATCHES[name]
+
+        class _Loader(importlib.abc.Loader):
+            def create_module(self, s):
+                return loader.create_module(s)
+
+            def exec_module(self, module):
+                loader.exec_module(module)
+                patch(module)
+
+        spec.loader = _Loader()
+        return spec
+
+
+if os.environ.get("LLMFUZZ_VLLM_DRAFTS") or _PLANT:
+    sys.meta_path.insert(0, _Hook())

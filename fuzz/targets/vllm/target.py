@@ -1,0 +1,349 @@
+"""vLLM as a fuzz.targets.base.Target: what fuzz.campaign.loop, fuzz.campaign.shrink and
+fuzz.campaign.reproduce need to fuzz a real vLLM (docs/vllm.md).
+
+- cells: one per planned config (`fuzz.targets.vllm.plan.campaign_configs`), visited
+  in order (`sequential`), one engine each; Hypothesis draws workloads
+  (`fuzz.strategies.workloads` on the config) as Cases with target "vllm" and the config's
+  options. An engine start costs ~40-120 s here, so Hypothesis's own shrinker is off (a
+  crash would cost a restart per step): the minimizer shrinks within its deadline.
+- check: `VLLMChecker` (crash/hang, greedy, vs reference, vs transformers, batch invariance),
+  which drives the engine through `fuzz.targets.vllm.runner.VLLMRunner`.
+- simpler: straight to one request with a one-token prompt and max_tokens=1 (each request in
+  turn), then fuzz.targets.simpler's candidates on the same config, then the config one knob
+  at a time toward the defaults (`simpler_configs`; each costs an engine start).
+- a crash or hang ends its cell; a crash whose signature is known (`--known`, by default the
+  committed reproducers': fuzz.targets.vllm.known) or was already written in an earlier cell
+  is counted, not written again (one reproducer per signature); a second failure of a
+  property the cell already reported is counted as a repeat; a config vLLM refuses at
+  start-up by its own config checks is *unsupported*, not a failure.
+- a start-up crash or hang is the cell's first example's failure (`start` keeps it, `check`
+  raises it), so it is shrunk like any other: straight to the config candidates, one knob
+  at a time (a workload cannot matter before the engine is up).
+- time: shrinking happens within the budget (min(300 s, budget/5) a failure; the shrink
+  phase after it gets 2 % of the budget); a cell runs for its share of the time left,
+  however long its first example took, and at least `min_cell_s` once started. When the
+  campaign's clock starts (`begin`) the target sets `deadline`, the budget's hard end
+  (budget x (1 + HARD_SLACK)): no engine start or run goes past it, and a shrink candidate
+  whose engine start would not fit before it is skipped (not a failure).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from fuzz.case import RequestSpec, Workload
+from fuzz.targets.base import Cell, Target, Unsupported
+from fuzz.targets.vllm.configs import VLLMOptions, cell_name
+from fuzz.targets.vllm.launch import llm_kwargs, worker_env
+from fuzz.targets.vllm.summary import NOTES, summary_json, summary_table
+
+HARD_SLACK = 0.03  # no engine start or run goes past budget x (1 + this): the 5 % promise, with shut-down
+
+
+def reproducer_meta(case, violation, vllm_version: str | None) -> dict:
+    """What a vLLM reproducer records beside the Case: the version, the LLM arguments and
+    environment it ran with, the crash signature; `target` and `vllm_options` at the top
+    level too (the reproducer format's vLLM fields, which fuzz.campaign.reproduce reads)."""
+    opts, env = VLLMOptions.of(case), worker_env(case.config)
+    meta = {"target": "vllm", "vllm_version": vllm_version, "vllm_options": opts.to_dict(),
+            "llm_kwargs": llm_kwargs(case.config, opts),
+            "env": {k: env[k] for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND") if k in env}}
+    if getattr(violation, "signature", None):
+        meta["signature"] = violation.signature
+    return meta
+
+
+class Unchecked:
+    """What `check` returns for a Case it could not afford to run before the campaign's hard
+    deadline: nothing was violated (a shrink candidate is not taken), and the campaign loop
+    sees an error ratio of 0. `record` counts it, as `unchecked`, not as a verdict."""
+
+    __slots__ = ("case",)
+
+    def __init__(self, case) -> None:
+        self.case = case
+
+    @property
+    def logits(self):
+        from fuzz.verdict.properties import LogitsReport
+
+        return LogitsReport("none", 0.0, 1.0, 0)
+
+
+class VLLMTarget(Target):
+    """`configs`: the (EngineConfig, VLLMOptions) to visit; `known`: crash signatures counted,
+    not written; `plan`: what the configs cover (fuzz.targets.vllm.plan.plan_report), kept in
+    the summary; `checker`: a VLLMChecker of the caller's (closed by the caller), else one of
+    this target's, made when first needed."""
+
+    name = "vllm"
+    sequential = True
+    hypothesis_shrinks = False
+    confirm_before_shrink = False  # a crash re-run costs an engine start; the first candidate re-runs anyway
+    max_shrink_checks = 60
+    unit = "configs"
+    chunk = 10
+    min_cell_s = 10.0
+
+    def __init__(self, configs, *, checker=None, known=None, max_requests: int = 8,
+                 shrink_configs: bool = True, plan: dict | None = None) -> None:
+        self.configs, self.known, self.plan = list(configs), set(known or ()), plan
+        self.max_requests, self.shrink_configs = max_requests, shrink_configs
+        self._checker, self._own = checker, checker is None
+        self._starts: dict[str, tuple[int, float]] = {}  # engine starts before each cell
+        self._start_failed: dict[str, object] = {}  # engine key -> its start-up TargetFailure, not yet raised
+        self._failed_keys: set[str] = set()  # engine keys whose start failed: shrink their config only
+        self.written: dict[str, str] = {}  # signature -> cell that first reported it
+        self.duplicates: list[dict] = []  # the same signature found again in another cell
+        self.deadline: float | None = None  # time.monotonic(): the campaign's hard end (`begin`)
+        # Cases `check` could not afford before the deadline (each `Unchecked`): in all, and
+        # since the last reproducer was written (a shrink that skipped candidates may call
+        # itself minimal: the reproducer says how many it skipped).
+        self.unchecked, self._unchecked_since_write = 0, 0
+        # The known crashes the plan left out, each replayed once: its state (fuzz.cli.vllm).
+        self.known_crashes: list[dict] = []
+
+    @property
+    def checker(self):
+        if self._checker is None:  # made when first needed: VLLMRunner() looks for vLLM
+            from fuzz.targets.vllm.checker import VLLMChecker
+
+            self._checker = VLLMChecker()
+        return self._checker
+
+    # -- the campaign's policies (fuzz.targets.base.Target) -----------------------------------
+    def shrink_per_failure_s(self, budget_s: float) -> float:
+        return min(300.0, budget_s / 5)
+
+    def shrink_phase_s(self, budget_s: float) -> float:
+        return 0.02 * budget_s
+
+    def begin(self, budget_s: float) -> None:
+        self.deadline = time.monotonic() + budget_s * (1 + HARD_SLACK)
+
+    def cells(self) -> list[Cell]:
+        from fuzz.targets.blackbox_target import config_cells
+
+        return config_cells(self.configs, cell_name, self.max_requests)
+
+    def check(self, case):
+        """The checker's verdict; a start-up failure kept by `start` is raised as this
+        Case's. A Case whose engine would have to start and cannot before `deadline` is not
+        checked (`Unchecked`: a shrink candidate that does not fail)."""
+        from fuzz.targets.runs import TargetFailure
+        from fuzz.targets.vllm.checker import VLLMCrash, violation_for
+
+        t, opts = self.checker.runner, VLLMOptions.of(case)
+        key = t.config_key(case.config, opts)
+        if key in self._start_failed:
+            raise violation_for(self._start_failed.pop(key), case)
+        if self.deadline is not None and not t.is_live(case.config, opts):
+            if time.monotonic() + self.startup_estimate(case.config) + 5.0 > self.deadline:
+                return self._unchecked(case)
+        t.deadline = self.deadline
+        try:
+            return self.checker.check(case)
+        except TargetFailure as f:  # "deadline": the campaign's time ran out mid-check
+            if f.kind != "deadline":
+                raise
+            return self._unchecked(case)
+        except VLLMCrash as v:
+            if v.kind == "startup":  # shrink this config's knobs, not its workload
+                self._failed_keys.add(key)
+            raise
+
+    def _unchecked(self, case) -> "Unchecked":
+        self.unchecked += 1
+        self._unchecked_since_write += 1
+        return Unchecked(case)
+
+    def startup_estimate(self, cfg) -> float:
+        """Seconds an engine start for `cfg` will take: the longest measured so far for its
+        kind (workers x compiled), else the plan's estimate."""
+        from fuzz.targets.vllm.covering import startup_cost
+
+        kind = (cfg.world_size, cfg.cudagraph_mode != "NONE")
+        seen = [s["seconds"] for s in self.checker.runner.starts if s.get("kind") == list(kind)]
+        if seen:
+            return max(seen)
+        return startup_cost({"mode": "compiled" if kind[1] else "eager", "dtype": cfg.dtype,
+                             "layout": "tp1pp1" if cfg.world_size == 1 else "tp2pp1"})
+
+    def simpler(self, case):
+        from engine.config import ConfigError
+        from fuzz.targets.simpler import candidates
+
+        if self.checker.runner.config_key(case.config, VLLMOptions.of(case)) in self._failed_keys:
+            # Failed at start-up: only the config can matter. One knob toward the defaults at a
+            # time, then the one-request workload.
+            for cfg, opts in (simpler_configs(case.config, VLLMOptions.of(case), eager_first=True)
+                              if self.shrink_configs else ()):
+                try:
+                    yield opts.on(replace(case, config=cfg))
+                except ConfigError:
+                    continue
+            tiny = case.workload.requests[0]
+            yield replace(case, workload=Workload((replace(tiny, prompt_token_ids=tiny.prompt_token_ids[:1],
+                                                           max_tokens=1, arrival_step=0),)))
+            return
+        for r in case.workload.requests:
+            tiny = replace(r, prompt_token_ids=r.prompt_token_ids[:1], max_tokens=1, arrival_step=0)
+            yield replace(case, workload=Workload((tiny,)))
+        # Our engine's candidates that keep the config: a config change is an engine start.
+        yield from (c for c in candidates(case) if c is not None and c.config == case.config)
+        if self.shrink_configs:
+            for cfg, opts in simpler_configs(case.config, VLLMOptions.of(case)):
+                try:
+                    yield opts.on(replace(case, config=cfg))
+                except ConfigError:
+                    continue
+
+    def reproducer_meta(self, case, violation) -> dict:
+        meta = reproducer_meta(case, violation, self.vllm_version)
+        meta["shrink_candidates_skipped_for_time"], self._unchecked_since_write = self._unchecked_since_write, 0
+        return meta
+
+    def stats_key(self, case) -> tuple:
+        return cell_name(case.config, VLLMOptions.of(case)), ""
+
+    def start(self, cell: Cell) -> None:
+        from fuzz.targets.runs import TargetFailure
+        from fuzz.targets.vllm.checker import violation_for
+
+        t = self.checker.runner
+        st = t.stats.get(cell.name)
+        self._starts[cell.name] = (st.starts, st.startup_s) if st else (0, 0.0)
+        cfg, opts = cell.data.config, VLLMOptions.of(cell.data)
+        t.deadline = self.deadline
+        try:
+            t.ensure(cfg, opts)
+        except TargetFailure as f:
+            if unsupported(f):
+                raise Unsupported(f"unsupported by vLLM: {f.signature}: {f.detail}") from None
+            if f.kind == "deadline":
+                raise Unsupported("not started: the campaign's time ran out") from None
+            if f.signature in self.known or f.signature in self.written:
+                raise violation_for(f, cell.data) from None  # counted, not shrunk: one start-up was enough
+            # The cell's first example raises it (`check`), so the campaign shrinks it.
+            key = t.config_key(cfg, opts)
+            self._start_failed[key] = f
+            self._failed_keys.add(key)
+
+    def triage(self, violation, earlier: list) -> str:
+        from fuzz.targets.vllm.checker import VLLMCrash
+
+        crash = isinstance(violation, VLLMCrash)
+        if crash and violation.signature in self.known:
+            return "known"
+        if getattr(violation, "signature", None):  # a crash, or a drafter bug: one reproducer per signature
+            c = violation.case
+            here = cell_name(c.config, VLLMOptions.of(c)) if c is not None else "?"
+            first = self.written.setdefault(violation.signature, here)
+            if first != here:
+                # One reproducer per signature: found again in another cell, counted, not written.
+                if not any(d["cell"] == here and d["signature"] == violation.signature for d in self.duplicates):
+                    self.duplicates.append({"signature": violation.signature, "first_cell": first, "cell": here})
+                return "known"
+        if not crash and any(f.property == violation.property for f in earlier):
+            return "repeat"  # the same disagreement again: every further example would repeat it
+        return "new"
+
+    def ends_cell(self, violation) -> bool:
+        from fuzz.targets.vllm.checker import VLLMCrash
+
+        return isinstance(violation, VLLMCrash)  # the engine is gone; each example would restart it
+
+    def checked(self, verdict) -> bool:
+        return not isinstance(verdict, Unchecked)
+
+    def record(self, stats, verdict) -> None:
+        if isinstance(verdict, Unchecked):
+            stats.notes["unchecked"] = stats.notes.get("unchecked", 0) + 1
+            return
+        n = stats.notes
+        for k in NOTES:
+            n.setdefault(k, NOTES[k])
+        ref, hf = verdict.vs_reference, verdict.vs_transformers
+        n["max_lp_error_vs_reference"] = max(n["max_lp_error_vs_reference"], ref.max_lp_error)
+        n["near_tie_divergences"] += len(ref.divergences)
+        if hf is not None:
+            n["max_lp_error_vs_transformers"] = max(n["max_lp_error_vs_transformers"], hf.max_lp_error)
+            n["prompt_logprob_positions_checked"] += hf.prompt_positions
+
+    def cell_done(self, cell: Cell, stats) -> None:
+        st = self.checker.runner.stats.get(cell.name)
+        s0, ss0 = self._starts.get(cell.name, (0, 0.0))
+        stats.notes["engine_starts"] = st.starts - s0 if st else 0
+        stats.notes["startup_s"] = round(st.startup_s - ss0, 1) if st else 0.0
+        stats.notes["llm_kwargs"] = llm_kwargs(cell.data.config, VLLMOptions.of(cell.data))
+        ds = self._checker.draft_stats.get(cell.name) if self._checker is not None else None
+        if ds is not None:
+            stats.notes["drafts"] = ds.to_json()
+
+    def describe(self) -> str:
+        return f"vLLM, {len(self.configs)} config(s)"
+
+    def summary_json(self, summary) -> dict:
+        return summary_json(summary, self)
+
+    def summary_table(self, summary) -> str:
+        return summary_table(summary, self)
+
+    @property
+    def vllm_version(self) -> str | None:
+        return self._checker.runner.vllm_version if self._checker is not None else None
+
+    def oracles(self) -> list[str]:
+        hf = self._checker is not None and self._checker.hf is not None
+        return ["reference", "vllm-solo"] + (["transformers"] if hf else [])
+
+    def close(self) -> None:
+        if self._own and self._checker is not None:
+            self._checker.close()
+
+
+# The exception types vLLM's config checks raise to refuse a combination: such a start-up is an
+# unsupported config, counted and skipped, not a crash (`unsupported` also requires the frame).
+UNSUPPORTED_TYPES = ("ValueError", "NotImplementedError")
+
+
+def unsupported(f) -> bool:
+    """A start-up refused by vLLM's own config checks (a ValueError / NotImplementedError raised
+    in vllm/config, vllm/engine/arg_utils.py or vllm/platforms) is an unsupported
+    configuration, not a crash."""
+    if f.kind != "startup":
+        return False
+    typ, _, where = f.signature.partition("@")
+    return typ in UNSUPPORTED_TYPES and where.startswith(("vllm/config/", "vllm/engine/arg_utils.py",
+                                                          "vllm/platforms/"))
+
+
+def simpler_configs(cfg, opts, eager_first: bool = False):
+    """One knob of (cfg, opts) back toward the default per candidate, cheapest-to-test first:
+    options (prefix caching, async, KV size), speculation, block size, budget, sequences,
+    dtype, max_model_len, then eager, then tp1pp1. `eager_first` (a start-up failure):
+    compiled -> eager first, since every later candidate is an engine start and an eager
+    start costs a fraction of a compiled one."""
+    from fuzz.targets.vllm.configs import VLLM_MODEL, _fit
+
+    base = VLLM_MODEL
+    out = []
+    eager = [(cfg.replace(cudagraph_mode="NONE", capture_sizes=()), opts)] if cfg.cudagraph_mode != "NONE" else []
+    if eager_first:
+        out += eager
+    if opts.enable_prefix_caching:
+        out.append((cfg, replace(opts, enable_prefix_caching=False)))
+    if opts.async_scheduling:
+        out.append((cfg, replace(opts, async_scheduling=False)))
+    if opts.kv_blocks:
+        out.append((cfg, replace(opts, kv_blocks=0)))
+    if cfg.speculative_method != "none":
+        out.append((cfg.replace(speculative_method="none", num_speculative_tokens=0), opts))
+    for f in ("block_size", "max_num_batched_tokens", "max_num_seqs", "dtype", "max_model_len"):
+        if getattr(cfg, f) != getattr(base, f):
+            out.append((_fit(cfg.replace(**{f: getattr(base, f)})), opts))
+    if not eager_first:
+        out += eager
+    if cfg.world_size > 1:
+        out.append((cfg.replace(layout="tp1pp1"), opts))
+    return out

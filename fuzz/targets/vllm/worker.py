@@ -1,0 +1,180 @@
+"""The vLLM side of the vLLM target: one `vllm.LLM` in a process of its own.
+
+Run as a script by `fuzz.targets.vllm.runner.VLLMRunner` with the Python that has vLLM
+(`python /path/to/worker.py`); it imports only the standard library and vLLM, so that
+Python needs nothing of llmfuzz. Keeping vLLM in a child process means a crash, a hang or a
+leaked engine-core process is contained: the parent kills the process group it started and
+starts a fresh one.
+
+Protocol: one JSON object per line. stdin: commands. The original stdout: replies (fd 1 is
+re-pointed at stderr before vLLM is imported, so vLLM's own logging, and that of the
+engine-core and worker processes it spawns, goes to the log the parent reads crash
+tracebacks from).
+
+    argv[1] = JSON {"model": DIR, "llm_kwargs": {...}, "env": {...}}, or argv[1] = "--warm":
+    vLLM is imported first and the spec is the first line of stdin (a pre-imported spare
+    worker: the runner starts the next config's worker while the current one is fuzzed, so
+    the ~7-16 s import of vLLM is off the critical path)
+    -> {"event": "ready", "startup_s": S, "import_s": S, "vllm_version": V}   or   {"event": "error", ...}
+    {"cmd": "run", "requests": [{"id", "prompt_token_ids", "max_tokens", "arrival_step"}],
+     "logprobs": K, "prompt_logprobs": K or null}
+    -> {"event": "result", "seconds": S, "steps": N,
+        "results": {id: {"token_ids": [...], "logprobs": [[[tok, logprob], ...], ...],
+                         "prompt_logprobs": [...]}},   (prompt tokens 1.., when asked for)
+        "drafts": {id: [[n, k, [draft...]], ...]}}   (n-gram drafts, with LLMFUZZ_VLLM_DRAFTS)
+    while running: {"event": "progress", "step": N} after every step (the runner's watchdog:
+    no progress for a while is a hang, and every process's stack is dumped)
+    {"cmd": "exit"}
+
+A request with `arrival_step` a > 0 is added just before the driver's (a+1)-th call of
+`LLMEngine.step()` (a driver step is one engine-core output), so requests arrive while
+others run, as in the reference engine's driver. An exception in `run` is replied with its
+traceback and the process exits: the engine's state is unknown after it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+
+def _error(exc: BaseException) -> dict:
+    frames = [{"file": f.filename, "line": f.lineno, "func": f.name}
+              for f in traceback.extract_tb(exc.__traceback__)]
+    cause = exc.__cause__ or exc.__context__
+    out = {"event": "error", "type": type(exc).__name__, "module": type(exc).__module__,
+           "message": str(exc)[:2000], "frames": frames,
+           "traceback": "".join(traceback.format_exception(exc))[-20000:]}
+    if cause is not None:
+        out["cause"] = {"type": type(cause).__name__, "message": str(cause)[:2000],
+                        "frames": [{"file": f.filename, "line": f.lineno, "func": f.name}
+                                   for f in traceback.extract_tb(cause.__traceback__)]}
+    return out
+
+
+def _positions(logprobs) -> list:
+    out = []
+    for pos in logprobs or []:
+        if pos is None:
+            out.append([])
+            continue
+        items = sorted(((int(t), float(lp.logprob)) for t, lp in pos.items()), key=lambda p: -p[1])
+        out.append([[t, lp] for t, lp in items])
+    return out
+
+
+def _drafts_since(offsets: dict) -> dict:
+    """The n-gram drafts the model runner(s) recorded since `offsets` (site/sitecustomize.py),
+    by request id as given to add_request (vLLM appends '-<8 random chars>' internally); a
+    draft recorded by several tp ranks is kept once."""
+    d = os.environ.get("LLMFUZZ_VLLM_DRAFTS")
+    out: dict = {}
+    if not d or not os.path.isdir(d):
+        return out
+    seen = set()
+    for name in sorted(os.listdir(d)):
+        path = os.path.join(d, name)
+        with open(path) as f:
+            f.seek(offsets.get(path, 0))
+            data = f.read()
+        offsets[path] = offsets.get(path, 0) + len(data.encode())
+        for line in data.splitlines():
+            for rid, n, k, draft in json.loads(line):
+                ext = rid.rsplit("-", 1)[0]
+                if (ext, n) not in seen:
+                    seen.add((ext, n))
+                    out.setdefault(ext, []).append([n, k, draft])
+    return out
+
+
+def _draft_offsets() -> dict:
+    d = os.environ.get("LLMFUZZ_VLLM_DRAFTS")
+    if not d or not os.path.isdir(d):
+        return {}
+    return {os.path.join(d, n): os.path.getsize(os.path.join(d, n)) for n in os.listdir(d)}
+
+
+def _run(llm, cmd: dict, progress=None) -> dict:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    eng = llm.llm_engine
+    k = int(cmd.get("logprobs", 5))
+    pk = cmd.get("prompt_logprobs")
+    pending = sorted(cmd["requests"], key=lambda r: int(r.get("arrival_step", 0)))
+    results: dict = {}
+    t0 = time.perf_counter()
+    offsets = _draft_offsets()
+    step = 0
+    while pending or eng.has_unfinished_requests():
+        while pending and int(pending[0].get("arrival_step", 0)) <= step:
+            r = pending.pop(0)
+            sp = SamplingParams(temperature=0.0, max_tokens=int(r["max_tokens"]), logprobs=k,
+                                ignore_eos=True, detokenize=False,
+                                prompt_logprobs=int(pk) if pk is not None else None,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+            eng.add_request(str(r["id"]), {"prompt_token_ids": [int(t) for t in r["prompt_token_ids"]]}, sp)
+        if eng.has_unfinished_requests():
+            for out in eng.step():
+                c = out.outputs[0]
+                results[out.request_id] = {"token_ids": [int(t) for t in c.token_ids],
+                                           "logprobs": _positions(c.logprobs)}
+                if pk is not None:  # position 0 is None (nothing precedes the first token)
+                    results[out.request_id]["prompt_logprobs"] = _positions((out.prompt_logprobs or [None])[1:])
+        step += 1
+        if progress is not None:
+            progress(step)
+    return {"event": "result", "seconds": time.perf_counter() - t0, "steps": step, "results": results,
+            "drafts": _drafts_since(offsets)}
+
+
+def main() -> int:
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # vLLM's prints and logs (and its children's) go to the log, not the protocol
+    sys.stdout = sys.stderr
+
+    def reply(obj: dict) -> None:
+        proto.write(json.dumps(obj) + "\n")
+        proto.flush()
+
+    warm = sys.argv[1] == "--warm"
+    t0 = time.perf_counter()
+    try:
+        if warm:  # import now, wait for the config: the import is paid before it is needed
+            import vllm  # noqa: F401
+            import vllm.entrypoints.llm  # noqa: F401
+        import_s = time.perf_counter() - t0
+        spec = json.loads(sys.stdin.readline() if warm else sys.argv[1])
+        t0 = time.perf_counter()
+        os.environ.update(spec.get("env") or {})  # vllm.envs reads the environment when asked
+        import vllm
+        from vllm import LLM
+
+        llm = LLM(model=spec["model"], **spec["llm_kwargs"])
+    except BaseException as e:  # noqa: BLE001 - every start-up failure is reported
+        reply(_error(e))
+        return 3
+    reply({"event": "ready", "startup_s": time.perf_counter() - t0, "import_s": import_s,
+           "vllm_version": vllm.__version__})
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        cmd = json.loads(line)
+        if cmd.get("cmd") == "exit":
+            break
+        try:
+            reply(_run(llm, cmd, lambda step: reply({"event": "progress", "step": step})))
+        except BaseException as e:  # noqa: BLE001 - a crash is a finding; report it and stop
+            reply(_error(e))
+            return 3
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001
+        pass
+    return 0
+
+
+if __name__ == "__main__":  # vLLM spawns processes: the guard is required
+    sys.exit(main())

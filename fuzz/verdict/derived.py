@@ -1,0 +1,76 @@
+"""The Cases a check derives from the Case under test, and which Cases get each check.
+
+The prefix-cache twin (caching off), a random-sampling request run alone, and the Cases
+the determinism oracle re-runs: each is the Case with one thing changed, so a difference
+between the two runs is that thing's.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import replace
+
+from engine.config import EngineConfig
+from engine.sample.sampling_params import request_seed
+from engine.schedule import Schedule
+from fuzz.case import Case, RequestSpec, Workload, reference_config
+
+DETERMINISM_ONE_IN = 20  # Cases, chosen by hash, that run twice (CPU), besides those below
+
+
+def prefix_twin_due(case: Case) -> bool:
+    """Cases whose run with prefix caching is compared bitwise with the same run without it:
+    caching on, CPU, float32 (where the engine promises equality; in half precision and on
+    CUDA the reference oracle's tolerance judges caching on against off)."""
+    cfg = case.config
+    return cfg.enable_prefix_caching and cfg.device == "cpu" and cfg.dtype == "float32"
+
+
+def caching_off(case: Case) -> Case:
+    """The prefix-cache twin: the same Case (layout, mode, schedule, faults) with caching off."""
+    return replace(case, config=case.config.replace(enable_prefix_caching=False))
+
+
+def alone_config(cfg: EngineConfig) -> EngineConfig:
+    """The config a random-sampling request runs alone with (`Harness.alone_noise`): the
+    reference's, with a token budget and KV blocks that take any prompt in one step, so its
+    prefill is never chunked and it is never preempted."""
+    ref = reference_config(cfg)
+    return ref.replace(max_num_batched_tokens=max(ref.max_num_batched_tokens, ref.max_model_len),
+                       num_gpu_blocks=max(ref.num_gpu_blocks, -(-ref.max_model_len // ref.block_size) + 1))
+
+
+def alone_case(case: Case, rid: str, r: RequestSpec, params, forced: list[int]) -> Case:
+    """Request `rid` (a workload request or one of its n > 1 children, with `params`) alone on
+    `alone_config`, as "r0", seeded as the engine seeds `rid` (`request_seed`: its own seed, or
+    one derived from its id), so its generator is the one `rid` has in the Case. Teacher-forced
+    with `forced`, it stops where the Case's run did (max_tokens no more than that)."""
+    cfg = alone_config(case.config)
+    p = replace(params, seed=request_seed(params, cfg.seed, rid))
+    n = max(1, len(forced), p.min_tokens)
+    return Case(cfg, Workload((RequestSpec(r.prompt_token_ids, min(n, r.max_tokens), sampling=p),)),
+                faults=case.faults if case.fault_scope == "everywhere" else (), poison=case.poison)
+
+
+def sampled_for_determinism(case: Case) -> bool:
+    """Every Case whose TP group has three ranks or more: there the order partials are summed
+    in can change bits (two partials commute exactly), so only there can another Schedule show
+    a timing-dependent reduction (docs/bug_classes.md#allreduce_arrival_order). Of the others
+    about one in DETERMINISM_ONE_IN, fixed by its content (never by chance)."""
+    if case.config.tensor_parallel_size >= 3:
+        return True
+    return hashlib.sha256(case.key().encode()).digest()[0] % DETERMINISM_ONE_IN == 0
+
+
+def other_schedule(s: Schedule) -> Schedule:
+    """The Schedule the determinism oracle re-runs a Case under: ranks picked at random from
+    another seed, copies delayed and the host running ahead by other amounts, so the order in
+    which ranks reach each collective and when copies land both differ from the Case's own run
+    (a correct engine's results depend on neither). A pure function of `s`."""
+    return Schedule(seed=(s.seed + 0x9E37) % 2 ** 16 if s.rank_order == "random" else s.seed,
+                    rank_order="random", copy_delay=0.5 if s.copy_delay != 0.5 else 0.9,
+                    prepare_ahead=1.0 if s.prepare_ahead != 1.0 else 0.5)
+
+
+def rescheduled(case: Case) -> Case:
+    """The determinism oracle's other run: `case` under `other_schedule`."""
+    return replace(case, schedule=other_schedule(case.schedule))

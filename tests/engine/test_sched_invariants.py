@@ -1,0 +1,201 @@
+"""The scheduler's limits checked on every microbatch (engine/sched_invariants.py): the clean
+engine keeps them at their edges, each broken limit is named, and the planted
+docs/bug_classes.md#sched_max_num_seqs_off_by_one and #sched_drafts_over_budget are caught by
+this check alone: with it off, their runs equal the clean ones bit for bit."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from engine import EngineInvariantError, LLMEngine
+from engine.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from engine.sched_invariants import ScheduleLimits
+from fuzz.strategies import FUZZ_MODEL, tokens_from_seed
+
+OFF_BY_ONE = ("sched_max_num_seqs_off_by_one",)
+# tp1pp2, 2 seqs, budget 8: r0 and r1 (4 tokens each) fill microbatch 0; with the fault r2 is
+# admitted into microbatch 1 and the two microbatches alternate to the end.
+EDGE = FUZZ_MODEL.replace(layout="tp1pp2", max_num_seqs=2, max_num_batched_tokens=8)
+EDGE_PROMPTS = (4, 4, 3)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    e = LLMEngine(EDGE)
+    yield e
+    e.shutdown()
+
+
+def _run(e: LLMEngine, faults: tuple[str, ...] = (), prompts=EDGE_PROMPTS, max_tokens: int = 4):
+    """Run the workload; return the trace and the request ids of each microbatch submitted."""
+    e.reset(faults=faults)
+    for i, n in enumerate(prompts):
+        e.add_request(f"r{i}", list(tokens_from_seed(i, n, e.cfg.vocab_size)), max_tokens)
+    batches = []
+    submit = e.executor.submit
+    e.executor.submit = lambda so: (batches.append(sorted(so.num_scheduled_tokens)), submit(so))
+    try:
+        while e.has_unfinished_requests():
+            e.step()
+    finally:
+        del e.executor.submit  # back to the class's method
+    return e.trace, batches
+
+
+def _bitwise_equal(a, b) -> bool:
+    return a.output_token_ids() == b.output_token_ids() and all(
+        torch.equal(x.logits, y.logits) for rid in a.tokens for x, y in zip(a.tokens[rid], b.tokens[rid]))
+
+
+def test_clean_engine_keeps_the_limits_at_their_edges(engine, monkeypatch):
+    """Held requests reach max_num_seqs and microbatches the full budget, with no complaint."""
+    held, tokens = [], []
+    check = ScheduleLimits.check
+
+    def spy(self, so):
+        broken = check(self, so)
+        held.append(len(self.held))
+        tokens.append(sum(so.num_scheduled_tokens.values()))
+        return broken
+
+    monkeypatch.setattr(ScheduleLimits, "check", spy)
+    _run(engine, prompts=(4, 4, 3, 9, 2))
+    assert max(held) == EDGE.max_num_seqs and max(tokens) == EDGE.max_num_batched_tokens
+
+
+def test_off_by_one_is_caught_by_the_limit_check(engine):
+    with pytest.raises(EngineInvariantError,
+                       match=r"microbatch 1: the ranks hold 3 requests \(r0, r1, r2\), more than max_num_seqs=2"):
+        _run(engine, OFF_BY_ONE)
+
+
+def test_off_by_one_is_bitwise_invisible_without_it(engine, monkeypatch):
+    """With the check off the faulty run completes with every token and logits row equal bit
+    for bit to the clean run's, though it batched differently: no output property can see it."""
+    clean, clean_batches = _run(engine)
+    monkeypatch.setattr(ScheduleLimits, "check", lambda self, so: None)
+    faulty, faulty_batches = _run(engine, OFF_BY_ONE)
+    assert ["r2"] in faulty_batches[:2] and faulty_batches != clean_batches  # the fault acted
+    assert _bitwise_equal(clean, faulty)
+
+
+OVER_BUDGET = ("sched_drafts_over_budget",)
+NGRAM = FUZZ_MODEL.replace(speculative_method="ngram", num_speculative_tokens=2, max_num_batched_tokens=3)
+
+
+def _run_ngram(faults: tuple[str, ...]):
+    """Budget 3: r0's decode takes 1 token, r1's drafting decode the 2 left."""
+    e = LLMEngine(NGRAM)
+    try:
+        e.reset(faults=faults)
+        e.add_request("r0", [5], 12)
+        e.add_request("r1", [1, 2, 1, 2, 1, 2], 12)
+        while e.has_unfinished_requests():
+            e.step()
+        return e.trace
+    finally:
+        e.shutdown()
+
+
+def test_drafts_over_budget_are_caught_and_otherwise_bitwise_invisible(monkeypatch):
+    with pytest.raises(EngineInvariantError, match=r"4 tokens scheduled, more than max_num_batched_tokens=3"):
+        _run_ngram(OVER_BUDGET)
+    clean = _run_ngram(())
+    monkeypatch.setattr(ScheduleLimits, "check", lambda self, so: None)
+    faulty = _run_ngram(OVER_BUDGET)
+    assert faulty.num_draft_tokens > clean.num_draft_tokens  # the fault acted: more drafts verified
+    assert _bitwise_equal(clean, faulty)
+
+
+# -- each limit, broken by hand ---------------------------------------------------------------
+
+CFG = FUZZ_MODEL.replace(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=16,
+                         speculative_method="ngram", num_speculative_tokens=2)
+
+
+def _out(mb: int, new=(), cached=(), spec=None, total=None, finished=()) -> SchedulerOutput:
+    """new: (id, tokens, computed, scheduled); cached: (id, new tokens, computed, scheduled)."""
+    c = CachedRequestData()
+    for rid, toks, start, _ in cached:
+        c.req_ids.append(rid), c.new_token_ids.append(list(toks)), c.new_block_ids.append([])
+        c.num_computed_tokens.append(start)
+    counts = {rid: n for rid, _, _, n in (*new, *cached)}
+    return SchedulerOutput(mb, [NewRequestData(rid, list(t), [], s) for rid, t, s, _ in new], c, counts,
+                           sum(counts.values()) if total is None else total, set(finished), set(),
+                           spec or {})
+
+
+def _limits(*reqs: tuple[str, int, int]) -> ScheduleLimits:
+    lim = ScheduleLimits(CFG)
+    for rid, prompt_len, max_tokens in reqs:
+        lim.add_request(rid, prompt_len, max_tokens)
+    return lim
+
+
+def test_a_decode_with_drafts_in_room_passes():
+    lim = _limits(("a", 4, 4))
+    assert lim.check(_out(0, new=[("a", [1, 2, 3, 4], 0, 4)])) is None
+    assert lim.check(_out(1, cached=[("a", [5], 4, 3)], spec={"a": [6, 7]})) is None
+
+
+@pytest.mark.parametrize("outs,match", [
+    ([_out(0, new=[("a", [1] * 5, 0, 5), ("b", [1] * 4, 0, 4)])], "9 tokens scheduled, more than max_num_batched"),
+    ([_out(0, new=[("a", [1] * 4, 0, 4)], total=3)], "total_num_scheduled_tokens=3"),
+    ([_out(0, new=[("a", [1] * 4, 0, 5)])], "scheduled up to position 5 of its 4 tokens"),
+    ([_out(0, new=[("a", [1] * 4, 0, 4)]), _out(1, cached=[("b", [2], 4, 1)])], "the ranks do not hold it"),
+    ([_out(0, new=[("a", [1] * 4, 0, 2)]), _out(1, cached=[("a", [], 2, 3)], spec={"a": [5]})],
+     "not a one-token decode"),
+    ([_out(0, new=[("a", [1] * 4, 0, 4)]), _out(1, cached=[("a", [5] * 10, 12, 8)])],
+     "computed 12 \\+ scheduled 8 > max_model_len=16"),
+])
+def test_each_broken_limit_is_named(outs, match):
+    lim = _limits(("a", 4, 4), ("b", 4, 4))
+    *ok, bad = outs
+    assert [lim.check(o) for o in ok] == [None] * len(ok)
+    assert re.search(match, lim.check(bad) or ""), lim.check(bad)
+
+
+def test_drafts_past_max_tokens_or_k_are_named():
+    """Room for drafts: 3 of 4 max_tokens generated leaves none; k=2 caps it everywhere."""
+    lim = _limits(("a", 4, 4))
+    lim.check(_out(0, new=[("a", [1] * 4, 0, 4)]))
+    assert "room for 0" in lim.check(_out(1, cached=[("a", [5, 6, 7], 6, 2)], spec={"a": [8]}))
+    lim = _limits(("a", 4, 10))
+    lim.check(_out(0, new=[("a", [1] * 4, 0, 4)]))
+    assert "3 drafts, room for 2" in lim.check(_out(1, cached=[("a", [5], 4, 4)], spec={"a": [6, 7, 8]}))
+
+
+def test_held_requests_leave_with_finished_ids():
+    """A finished request's slot is free in the very microbatch that announces it."""
+    lim = _limits(("a", 4, 4), ("b", 4, 4), ("c", 4, 4))
+    assert lim.check(_out(0, new=[("a", [1] * 4, 0, 4), ("b", [1] * 4, 0, 4)])) is None
+    assert "the ranks hold 3 requests" in lim.check(_out(1, new=[("c", [1] * 4, 0, 4)]))
+    lim = _limits(("a", 4, 4), ("b", 4, 4), ("c", 4, 4))
+    lim.check(_out(0, new=[("a", [1] * 4, 0, 4), ("b", [1] * 4, 0, 4)]))
+    assert lim.check(_out(1, new=[("c", [1] * 4, 0, 4)], finished={"a"})) is None
+
+
+def test_an_engine_built_with_more_seats_serves_a_smaller_max_num_seqs(engine):
+    """The campaign's pool builds engines with max_num_seqs rounded up (it only sizes the ranks'
+    buffers) and gives each Case its own at reset: the limit, its outputs and the off-by-one's
+    detection are those of an engine built with the Case's max_num_seqs; a larger one than the
+    ranks were built for is refused before anything runs."""
+    from engine import ConfigError
+
+    big = LLMEngine(EDGE.replace(max_num_seqs=8))
+    try:
+        want, _ = _run(engine)
+        big.reset(scheduler_config=EDGE)
+        reset = big.reset
+        big.reset = lambda faults=(): reset(faults=faults, scheduler_config=EDGE)
+        got, batches = _run(big)
+        assert _bitwise_equal(want, got) and max(len(b) for b in batches) <= 2
+        with pytest.raises(EngineInvariantError, match="more than max_num_seqs=2"):
+            _run(big, OFF_BY_ONE)
+        del big.reset
+        with pytest.raises(ConfigError, match="max_num_seqs exceed"):
+            big.reset(scheduler_config=EDGE.replace(max_num_seqs=16))
+    finally:
+        big.shutdown()

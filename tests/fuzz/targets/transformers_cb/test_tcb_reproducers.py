@@ -1,0 +1,31 @@
+"""Every committed transformers-cb reproducer (reproducers/transformers_cb/) still fails as
+recorded on the installed transformers (`llmfuzz replay`: exit 1, the same crash signature).
+When the library fixes one, this test says so: drop the file and its entry in
+docs/transformers_cb.md."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from fuzz.cli.main import main
+
+ROOT = Path(__file__).resolve().parents[4]
+FILES = sorted((ROOT / "reproducers" / "transformers_cb").glob("**/*.json"))
+
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers"),
+              pytest.mark.slow]
+
+
+@pytest.mark.parametrize("path", FILES, ids=[p.name for p in FILES])
+def test_reproducer_still_fails_as_recorded(capsys, path):
+    assert json.loads(path.read_text())["target"] == "transformers-cb"
+    assert main(["replay", "--json", str(path)]) == 1
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["reproduces"] and out["property"] == json.loads(path.read_text())["property"]
+
+
+def test_there_is_a_committed_reproducer():
+    assert FILES  # the finding in docs/transformers_cb.md ("What it found")
