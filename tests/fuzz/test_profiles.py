@@ -94,29 +94,28 @@ def test_a_redis_url_shares_failures_between_campaigns(redis_url, restore_profil
     assert any(k.startswith(b"llmfuzz-example:") for k in redis.Redis.from_url(redis_url).keys())
 
 
-def _save_many(url: str, tag: bytes, n: int) -> None:
-    import redis
-    from hypothesis.extra.redis import RedisExampleDatabase
-
-    db = RedisExampleDatabase(redis.Redis.from_url(url), key_prefix=b"llmfuzz-example:")
-    for i in range(n):
-        db.save(b"cell", tag + str(i).encode())
+# Run as a separate interpreter: a shard's machine shares nothing with this one but the URL.
+_SAVE_MANY = """
+import sys, redis
+from hypothesis.extra.redis import RedisExampleDatabase
+url, tag, n = sys.argv[1], sys.argv[2].encode(), int(sys.argv[3])
+db = RedisExampleDatabase(redis.Redis.from_url(url), key_prefix=b"llmfuzz-example:")
+for i in range(n):
+    db.save(b"cell", tag + str(i).encode())
+"""
 
 
 def test_two_shards_write_to_one_redis_at_once_without_loss(redis_url) -> None:
     """Two processes (two shards' machines) save into the same key at once: every entry lands."""
-    import multiprocessing
+    import subprocess
+    import sys
 
     import redis
     from hypothesis.extra.redis import RedisExampleDatabase
 
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_save_many, args=(redis_url, tag, 300)) for tag in (b"a", b"b")]
+    procs = [subprocess.Popen([sys.executable, "-c", _SAVE_MANY, redis_url, tag, "300"]) for tag in ("a", "b")]
     for p in procs:
-        p.start()
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
+        assert p.wait(timeout=60) == 0
     db = RedisExampleDatabase(redis.Redis.from_url(redis_url), key_prefix=b"llmfuzz-example:")
     assert set(db.fetch(b"cell")) == {t + str(i).encode() for t in (b"a", b"b") for i in range(300)}
 
