@@ -108,8 +108,8 @@ class GPUModelRunner:
         self.graph_runner.reset(self.model.run_end)
 
     def prepare(self, so: SchedulerOutput) -> PreparedBatch:
-        self.prev_sampled.drop(so.finished_req_ids)
         pb = self.inputs.prepare(so)
+        pb.finished_req_ids = frozenset(so.finished_req_ids)
         if self.samples:  # from the InputBatch as this microbatch left it
             pb.sampling_metadata = build_sampling_metadata(self.inputs.input_batch, pb, self.faults, self.cfg.device)
         return pb
@@ -146,6 +146,10 @@ class GPUModelRunner:
         sink.reset_snapshot()  # microbatch ids restart after reset: never reuse a snapshot
         logits = draft_ids = hidden = residual = sampled = None
         prompt_lp = {}
+        # Dropped here, in execution order, not at prepare: the host may prepare this step
+        # before the step ahead of it executes, and that one may still fill a placeholder of a
+        # request aborted since (its device-side tokens outlive the abort until then, as in vLLM).
+        self.prev_sampled.drop(pb.finished_req_ids)
         try:
             if not m.is_first:
                 inter = self.pp.recv(T)

@@ -93,6 +93,9 @@ class PreparedBatch:
     placeholder_fills: list[tuple[int, str]] = field(default_factory=list)
     sample_batch_rows: list[int] = field(default_factory=list)
     req_id_to_index: dict[str, int] = field(default_factory=dict)
+    # Requests finished before this step: their kept sampled tokens are dropped when this step
+    # executes, in step order (a step scheduled earlier may still fill a placeholder of one).
+    finished_req_ids: frozenset[str] = frozenset()
 
 
 # -- ranks -> driver ----------------------------------------------------------------------

@@ -40,7 +40,7 @@ from fuzz.verdict.harness import Verdict
 from fuzz.verdict.oracles.hf import TransformersOracle
 from fuzz.verdict.properties import (CrashViolation, EngineViolation, FAViolation, LivenessViolation, LogitsMismatch,
                                      LogitsReport, SamplingViolation)
-from fuzz.verdict.tolerance import logits_tolerance
+from fuzz.verdict.tolerance import BLACKBOX_HALF_RULES, logits_tolerance
 from fuzz.targets.checkpoint import checkpoint_dir
 from fuzz.targets.reference import ReferenceRunner
 from fuzz.targets.runs import RequestResult, TargetFailure, TargetRun, TargetUnavailable
@@ -136,7 +136,9 @@ def properties_for(name: str, **own: type) -> Properties:
 
 def logprob_tolerance(cfg: EngineConfig, absmax: float) -> float:
     """4 x the dtype-derived logits bound: a logprob is a logit minus a logsumexp (twice the
-    error), and another factor 2 covers another engine's GEMM and attention kernels."""
+    error), and another factor 2 covers another engine's GEMM and attention kernels. In half
+    precision this bound is tens of nats (it scales with the dtype's epsilon): the checker uses
+    the measured-noise rule there instead (`BlackBoxChecker.tolerance`)."""
     return 4.0 * logits_tolerance(cfg.torch_dtype(), cfg.hidden_size, absmax)
 
 
@@ -187,13 +189,16 @@ class BlackBoxChecker:
     `properties_for(name)`); `label`: how messages name it. `transformers`: None uses the
     transformers oracle where `transformers` imports, True requires it, False skips it.
     `prompt_logprobs`: ask for them in the batch run (where the runner supports them and
-    `wants_prompt_logprobs` agrees) and check them against transformers."""
+    `wants_prompt_logprobs` agrees) and check them against transformers. `half_rule`: in
+    bf16/fp16, bound logprob errors by the measured noise (BLACKBOX_HALF_RULES) rather than the
+    dtype formula (False: the formula, tens of nats: greedy agreement and little more)."""
 
     def __init__(self, runner, name: str = "target", *, reference: ReferenceRunner | None = None,
                  batch_invariance: bool = True, solo_cache_size: int = 4096, transformers: bool | None = None,
                  prompt_logprobs: bool = True, label: str | None = None, props: Properties | None = None,
-                 hf: TransformersOracle | None = None) -> None:
+                 hf: TransformersOracle | None = None, half_rule: bool = True) -> None:
         self.runner, self.name, self.label = runner, name, label or name
+        self.half_rule = half_rule
         self.props = props or properties_for(name)
         self.reference = reference or ReferenceRunner()
         self.batch_invariance = batch_invariance
@@ -245,7 +250,7 @@ class BlackBoxChecker:
         case = self.prepare(case)
         t0 = time.perf_counter()
         ref = self.reference.run(case)
-        lp_tol = logprob_tolerance(case.config, self.reference.logit_absmax(case))
+        lp_tol = self.tolerance(case)
         test = self.run(case, prompt_logprobs=self.wants_prompt_logprobs(case))
         items = engine_items(case)
         plain = {rid for rid, spec in items if is_plain(spec)}
@@ -271,6 +276,14 @@ class BlackBoxChecker:
         rep = oracles["reference"]
         return BlackBoxVerdict(case, LogitsReport("reference", rep.max_lp_error, lp_tol, rep.positions), oracles, 0,
                                test.steps, 0, len(case.workload.requests), time.perf_counter() - t0, seconds)
+
+    def tolerance(self, case: Case) -> float:
+        """The Case's logprob bound: in half precision k x the noise our engine makes in that
+        dtype + atol, where the rule is on; else the dtype formula (logprob_tolerance)."""
+        rule = BLACKBOX_HALF_RULES.get(case.config.dtype) if self.half_rule else None
+        if rule is None:
+            return logprob_tolerance(case.config, self.reference.logit_absmax(case))
+        return rule.k * self.reference.half_noise(case) + rule.atol
 
     def _compare(self, oracle: dict, test: dict, lp_tol: float, case: Case, oracle_name: str, kind: type,
                  label: str | None = None, test_name: str | None = None) -> CompareReport:

@@ -112,6 +112,18 @@ class ReferenceRunner:
         trace = self.harness.reference(case)
         return max((float(r.logits.abs().max()) for recs in trace.tokens.values() for r in recs), default=1.0)
 
+    def half_noise(self, case: Case) -> float:
+        """Low-precision noise of `case` in logprobs (fuzz.verdict.tolerance.BLACKBOX_HALF_RULES):
+        our engine solo in the Case's dtype against float32, teacher-forced on the reference's
+        tokens."""
+        from fuzz.case import reference_config
+        from fuzz.verdict.tolerance import Tolerance
+
+        forced = self.harness.reference(case).output_token_ids()
+        solo = self.harness.solo
+        return Tolerance.measure_logprobs(solo.trace(case.config, case.workload, forced),
+                                          solo.trace(reference_config(case.config), case.workload, forced))
+
     def close(self) -> None:
         if self._own:
             self.harness.close()

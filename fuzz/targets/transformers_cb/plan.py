@@ -5,7 +5,8 @@ x each scheduler, block sharing off). A config the library refuses is planned li
 other and counted as unsupported with the library's message (async batching and CPU offloading on
 the CPU);
 on CUDA the graph, async and flash knobs are planned too (flash where a flash kernel
-imports)."""
+imports). Every plan has bf16 configs: the CUDA plan is bf16 throughout, the CPU plan ends
+with one."""
 from __future__ import annotations
 
 from engine.config import EngineConfig
@@ -33,6 +34,8 @@ def cpu_plan(base: EngineConfig = CB_MODEL) -> list[tuple[EngineConfig, CBOption
         # A cache smaller than the longest request (half of max_model_len): the library has no
         # admission check for it (what it does then is a finding, docs/transformers_cb.md).
         (_cfg(base, 8, 32), CBOptions(kv_blocks=base.max_model_len // 16)),
+        # bf16, checked by the measured-noise rule (fuzz.verdict.tolerance.BLACKBOX_HALF_RULES).
+        (_cfg(base.replace(dtype="bfloat16"), 8, 16), CBOptions()),
     ]
 
 

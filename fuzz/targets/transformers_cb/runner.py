@@ -159,12 +159,18 @@ class CBRunner:
         raise self._failure("startup", w, reply)
 
     def check_supported(self, case: Case) -> None:
-        """Start `case`'s engine; Unsupported with the library's message if it refuses the config."""
+        """Start `case`'s engine; Unsupported with the library's message if it refuses the
+        config, or where the start failed before entering the library (the adapter's own call,
+        say a config field this transformers version lacks): a harness error, not a finding,
+        shown on the config's row."""
         try:
             self.ensure(case)
         except TargetFailure as f:
             if unsupported(f):
                 raise Unsupported(f"unsupported by transformers: {f.signature}: {f.detail}") from None
+            if f.kind == "startup" and f.signature.endswith("@<outside transformers>"):
+                raise Unsupported(f"not run: the adapter failed before entering transformers {self.version}, "
+                                  f"a harness error, not the library's: {f.signature}: {f.detail}") from None
             raise
 
     def shutdown(self) -> None:

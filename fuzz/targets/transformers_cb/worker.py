@@ -109,12 +109,29 @@ def _load(spec: dict):
     return model
 
 
+def cb_kwargs(fields: set[str], kw: dict) -> dict:
+    """`kw` (configs.cb_config) in the installed version's spelling: the page size was
+    `block_size` before it was `page_size`; `auto_switch_to_flash` (off here: the attention
+    implementation is the config's) is absent where the library switches to flash only when a
+    flash kernel imports, which the plan's flash_available mirrors. Anything else the version
+    lacks stays, and fails the start as the adapter's error."""
+    kw = dict(kw)
+    if "page_size" not in fields and "block_size" in fields:
+        kw["block_size"] = kw.pop("page_size")
+    if "auto_switch_to_flash" not in fields:
+        kw.pop("auto_switch_to_flash", None)
+    return kw
+
+
 def _configs(spec: dict):
+    import inspect
+
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     gen = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=1)
-    return gen, ContinuousBatchingConfig(**spec["cb"])
+    fields = set(inspect.signature(ContinuousBatchingConfig).parameters)
+    return gen, ContinuousBatchingConfig(**cb_kwargs(fields, spec["cb"]))
 
 
 def _manager(model, spec: dict):

@@ -175,3 +175,26 @@ def test_the_fa_guard_in_the_engine_is_the_fa_invariants_property(example, tmp_p
     assert ei.value.property == "stale_tail_fa_invariants"
     assert "cu_seqlens_q" in str(ei.value)
     faulty.close()
+
+
+def test_a_bf16_error_below_the_dtype_formula_is_seen_by_the_measured_noise_rule(example, tmp_path) -> None:
+    """Planted: in bf16 the adapter's logprobs are 1 nat off (a normalizer computed on the
+    wrong row, say). The dtype formula's bound (tens of nats in bf16) passes it; the black-box
+    half-precision rule (k x our engine's own bf16 noise + atol) does not. In fp32 nothing changes."""
+    from fuzz.targets.blackbox import BlackBoxChecker
+
+    def generate(self, config, requests):
+        out = example.ReferenceEngineTarget.generate(self, config, requests)
+        return [_corrupted(c, 1.0) for c in out] if config.dtype == "bfloat16" else out
+
+    case = _case(RequestSpec((5, 9, 5, 9, 2), 4), RequestSpec((7, 1), 3), dtype="bfloat16")
+    v = llmfuzz.check(example.TARGET, case, out_dir=str(tmp_path))  # clean bf16 passes the rule
+    assert 0.1 <= v.logits.tolerance < 1.0 and v.logits.ratio < 0.5, v.logits
+    buggy = _variant(example, "Off_By_A_Nat", generate)()
+    formula = BlackBoxChecker(buggy, "off_by_a_nat", half_rule=False, transformers=False, batch_invariance=False)
+    assert formula.check(case).logits.tolerance > 10  # unseen by the dtype formula
+    with pytest.raises(llmfuzz.Violation) as ei:
+        llmfuzz.check(buggy, case, out_dir=str(tmp_path))
+    assert ei.value.property == "off_by_a_nat_vs_reference" and ei.value.error_ratio > 1, ei.value
+    llmfuzz.check(buggy, _case(RequestSpec((5, 9, 5, 9, 2), 4)), out_dir=str(tmp_path))  # fp32: untouched
+    buggy.close()

@@ -29,6 +29,11 @@ def test_the_cpu_plan_plans_a_refused_config():
     assert any(o.async_batching for _, o in cpu_plan())
 
 
+def test_every_plan_checks_bf16_and_the_cpu_plan_fp32_too():
+    assert {c.dtype for c, _ in cpu_plan()} == {"float32", "bfloat16"}
+    assert {c.dtype for c, _ in cuda_plan(CB_MODEL, flash=False)} == {"bfloat16"}
+
+
 def test_options_round_trip_through_a_case_and_its_json():
     opts = CBOptions(attn="paged|eager", kv_blocks=9, scheduler="prefill_first", block_sharing=False)
     case = opts.on(Case(CB_MODEL, Workload((RequestSpec((1, 2), 3),))))

@@ -46,3 +46,39 @@ def test_a_crash_at_start_is_no_refusal():
     assert not unsupported(TargetFailure("startup", "RuntimeError@transformers/generation/continuous_batching/"
                                                     "continuous_api.py:prepare_next_batch"))
     assert not unsupported(TargetFailure("startup", "ValueError@<outside transformers>"))
+
+
+def test_the_config_is_spelled_as_the_installed_version_spells_it():
+    """transformers 5.17's ContinuousBatchingConfig names the page size `block_size` and has no
+    `auto_switch_to_flash`; newer ones `page_size`: the adapter passes what each accepts."""
+    import inspect
+
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    from fuzz.targets.transformers_cb.configs import cb_config
+    from fuzz.targets.transformers_cb.worker import cb_kwargs
+
+    kw = cb_config(CB_MODEL, CBOptions())
+    older = {"block_size", "num_blocks", "max_batch_tokens", "max_requests_per_batch", "scheduler_type",
+             "allow_block_sharing", "use_cuda_graph", "use_async_batching", "cpu_offload_space",
+             "return_logprobs", "seed"}
+    old = cb_kwargs(older, kw)
+    assert old["block_size"] == CB_MODEL.block_size and "page_size" not in old
+    assert "auto_switch_to_flash" not in old and set(old) <= older
+    installed = set(inspect.signature(ContinuousBatchingConfig).parameters)
+    ContinuousBatchingConfig(**cb_kwargs(installed, kw))  # the installed version takes what it is given
+
+
+def test_a_start_that_fails_before_the_library_runs_is_a_harness_error_not_a_finding(monkeypatch):
+    """The adapter's own call failing (here a config field no transformers version has) is not
+    transformers' crash: the config is reported not run, naming the adapter."""
+    from fuzz.targets.transformers_cb import runner as runner_mod
+
+    monkeypatch.setattr(runner_mod, "cb_config", lambda cfg, opts: {"no_such_field": 1})
+    r = runner_mod.CBRunner()
+    try:
+        with pytest.raises(Unsupported, match=r"adapter failed before entering transformers .*TypeError@<outside "
+                                              r"transformers>.*no_such_field"):
+            r.check_supported(CBOptions().on(Case(CB_MODEL, WL)))
+    finally:
+        r.close()
