@@ -1,7 +1,8 @@
 """Every committed transformers-cb reproducer (reproducers/transformers_cb/) still fails as
 recorded on the installed transformers (`llmfuzz replay`: exit 1, the same crash signature).
 When the library fixes one, this test says so: drop the file and its entry in
-docs/transformers_cb.md."""
+docs/transformers_cb.md. A reproducer recorded on CUDA is a `gpu` test (`pytest -m gpu` on a
+GPU host); its recorded transformers version is in the file."""
 from __future__ import annotations
 
 import importlib.util
@@ -19,7 +20,21 @@ pytestmark = [pytest.mark.skipif(importlib.util.find_spec("transformers") is Non
               pytest.mark.slow]
 
 
-@pytest.mark.parametrize("path", FILES, ids=[p.name for p in FILES])
+def _device(path: Path) -> str:
+    return json.loads(path.read_text())["case"]["config"].get("device", "cpu")
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+PARAMS = [pytest.param(p, id=p.name, marks=[pytest.mark.gpu, pytest.mark.skipif(not _cuda(), reason="needs CUDA")])
+          if _device(p) != "cpu" else pytest.param(p, id=p.name) for p in FILES]
+
+
+@pytest.mark.parametrize("path", PARAMS)
 def test_reproducer_still_fails_as_recorded(capsys, path):
     assert json.loads(path.read_text())["target"] == "transformers-cb"
     assert main(["replay", "--json", str(path)]) == 1
