@@ -133,3 +133,13 @@ def replay_oracles() -> frozenset[str]:
     from fuzz.verdict.oracles.hf import available
 
     return frozenset(o for o in ORACLES if o != "transformers" or available())
+
+
+def poison(args) -> str | None:
+    """--poison: what every engine reset leaves in memory (engine/poison.py); "both" (the
+    default): each Case draws NaN or stale, so a campaign alternates them."""
+    from engine.poison import POISON_MODES
+
+    if args.poison not in (*POISON_MODES, "both"):
+        raise BadInput(f"--poison: {args.poison!r} is not one of {', '.join(POISON_MODES)}, both")
+    return None if args.poison == "both" else args.poison

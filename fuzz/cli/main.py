@@ -20,6 +20,8 @@ from fuzz.cli.common import base_config as _base_config
 from fuzz.cli.common import base_configs as _base_configs
 from fuzz.cli.common import load_profile as _load_profile
 from fuzz.cli.common import oracles as _oracles
+from fuzz.cli.common import poison as _poison
+from fuzz.cli.faults import cmd_faults, cmd_selftest
 from fuzz.cli.common import parse_layouts as _parse_layouts
 from fuzz.cli.replay import cmd_minimize, cmd_replay
 from fuzz.stop import (clear_stop, exit_past_stuck_ranks, is_main_thread, stop_after_command, stop_requested,
@@ -52,7 +54,6 @@ def cmd_run(args) -> int:
         if getattr(args, opt) is not None:
             raise BadInput(f"--{opt.replace('_', '-')}: applies to --target vllm only")
     from fuzz.campaign.cluster import parse_cluster
-    from fuzz.campaign.findings import run_json, run_text
     from fuzz.campaign.jobs_gpus import check_gpu_count
     from fuzz.campaign.loop import Campaign
 
@@ -88,10 +89,14 @@ def cmd_run(args) -> int:
     summary.shard = shard
     if share is not None and share.report_path is not None:
         share.report(summary, camp.shrink_report)  # for the parent to merge
-    if args.json:
-        print(json.dumps(run_json(summary, camp.shrink_report), indent=1))
-    else:
-        print(run_text(summary, camp.shrink_report))
+    return _report(args, summary, camp.shrink_report)
+
+
+def _report(args, summary, shrink_report) -> int:
+    """Print a reference campaign's summary (JSON or text); its exit code."""
+    from fuzz.campaign.findings import run_json, run_text
+
+    print(json.dumps(run_json(summary, shrink_report), indent=1) if args.json else run_text(summary, shrink_report))
     if summary.write_errors:
         return EXIT_UNWRITTEN
     return EXIT_FAIL if summary.failures else EXIT_OK
@@ -142,16 +147,6 @@ def _run_cells(args, base) -> tuple[list[str], list[str]]:
     return layouts, modes
 
 
-def _poison(args) -> str | None:
-    """--poison: what every engine reset leaves in memory (engine/poison.py); "both" (the
-    default): each Case draws NaN or stale, so a campaign alternates them."""
-    from engine.poison import POISON_MODES
-
-    if args.poison not in (*POISON_MODES, "both"):
-        raise BadInput(f"--poison: {args.poison!r} is not one of {', '.join(POISON_MODES)}, both")
-    return None if args.poison == "both" else args.poison
-
-
 def _shrink_budget(args) -> float | None:
     """--shrink-budget: seconds for the shrink phase after the budget (None: its default)."""
     if args.shrink_budget is not None and not 0 <= args.shrink_budget < float("inf"):
@@ -171,50 +166,6 @@ def _kernel_cells(bases, layouts, modes, args, oracles):
     harness = make_harness(bases[0].device, args.isolate,
                            pool_capacity_for(len(layouts) * len(bases), len(modes)), oracles)
     return KernelCells(harness, layouts, modes, tuple(args.fault), bases)
-
-
-def cmd_faults(args) -> int:
-    from engine.faults import FAULTS
-
-    # Where each fault lives in the engine, when the registry says (only then is it shown).
-    where = {n: getattr(f, "where", "") for n, f in FAULTS.items()}
-    if args.json:
-        print(json.dumps({n: {"doc": f.doc, "needs": f.needs, **({"where": where[n]} if where[n] else {})}
-                          for n, f in FAULTS.items()}, indent=1))
-        return EXIT_OK
-    for name, f in FAULTS.items():
-        print(f"{name}\n    {f.doc}\n    needs: {f.needs or '-'}")
-        if where[name]:
-            print(f"    where: {where[name]}")
-    return EXIT_OK
-
-
-def cmd_selftest(args) -> int:
-    from engine.faults import FAULTS
-    from fuzz.campaign.selftest import run_selftest, summary_json, table
-
-    names = args.fault or list(FAULTS)
-    for f in names:
-        if f not in FAULTS:
-            raise BadInput(f"--fault: unknown fault {f!r} (see `llmfuzz faults`)")
-    if not 0 < args.budget_per_fault < float("inf"):
-        raise BadInput(f"--budget-per-fault: {args.budget_per_fault} is not a positive number of seconds")
-    _load_profile(args.profile)
-    base = _base_config(args)
-    results = run_selftest(names, args.budget_per_fault, args.out, args.seed, progress=not args.json, base=base,
-                           isolate=args.isolate, everywhere=args.everywhere, oracles=_oracles(args),
-                           poison=_poison(args))
-    if args.json:
-        print(json.dumps({**summary_json(results), "dtype": base.dtype, "device": base.device,
-                          "attention_backend": base.attention_backend, "everywhere": args.everywhere,
-                          "poison": args.poison,
-                          "budget_per_fault": args.budget_per_fault, "seed": args.seed}, indent=1))
-    else:
-        print(table(results))
-    if any(r.interrupted for r in results):
-        print(f"(interrupted: {len(results)} of {len(names)} faults run)", file=sys.stderr)
-        return EXIT_INTERRUPTED  # no verdict on the faults not run
-    return EXIT_OK if all(r.detected for r in results) else EXIT_FAIL
 
 
 def cmd_generate(args) -> int:

@@ -66,13 +66,19 @@ class LogitsTap:
         self._wrapped = (io, own)
 
     def _record(self, requests, new_tokens) -> None:
-        ids = [fs.state.request_id for fs in requests if fs.has_new_token]
-        if not ids:
+        """Row j and new_tokens[j] belong to the j-th request with a new token. As the library's
+        `update_batch` does, a request finished or offloaded (PENDING) since it was scheduled
+        (async batching) keeps its row but not its token: an offloaded one recomputes that
+        position when it is scheduled again, maybe to another token (bf16, another batch)."""
+        states = [fs.state for fs in requests if fs.has_new_token]
+        if not states:
             return
-        lp = torch.log_softmax(self.buf[self._pair(), :len(ids)].double().cpu(), -1)
+        lp = torch.log_softmax(self.buf[self._pair(), :len(states)].double().cpu(), -1)
         vals, idx = lp.topk(min(self.top_k, lp.shape[-1]), -1)
-        for j, rid in enumerate(ids):
-            tok = int(new_tokens[j])
+        for j, state in enumerate(states):
+            if getattr(state.status, "name", "") in ("FINISHED", "PENDING"):
+                continue
+            rid, tok = state.request_id, int(new_tokens[j])
             top = dict(zip(idx[j].tolist(), vals[j].tolist()))
             top.setdefault(tok, float(lp[j, tok]))
             self.events.setdefault(rid, []).append((tok, sorted(([t, v] for t, v in top.items()), key=lambda p: -p[1])))

@@ -21,8 +21,8 @@ def fake_model(vocab=6):
     return NS(get_output_embeddings=lambda: head), head
 
 
-def fs(rid, new):
-    return NS(state=NS(request_id=rid), has_new_token=new)
+def fs(rid, new, status="DECODING"):
+    return NS(state=NS(request_id=rid, status=NS(name=status)), has_new_token=new)
 
 
 def test_rows_go_to_the_requests_with_a_new_token_in_batch_order():
@@ -58,6 +58,22 @@ def test_async_batching_reads_the_slot_of_the_pair_being_updated():
     io.current_pair = 0  # the library updates batch N with pair 0 current
     tap._record([fs("a", True)], [0])
     assert tap.events["a"][0][1][0][0] == 0
+
+
+def test_a_token_the_library_drops_is_not_recorded_but_keeps_its_row():
+    """Async batching: a request offloaded (PENDING) or finished since it was scheduled keeps
+    its row and token slot, which the library's update_batch skips; it recomputes the position
+    later. The tap records the token it keeps, so a recomputed token is no inconsistency (an
+    H200 campaign reported one as the library's, from this)."""
+    model, head = fake_model()
+    io = NS(current_pair=0)
+    tap = LogitsTap(model, NS(batch_processor=NS(inputs_and_outputs=io)), rows=4, top_k=1)
+    tap._hook(head, (), torch.tensor([[[9.0, 0, 0, 0, 0, 0], [0, 9.0, 0, 0, 0, 0], [0, 0, 9.0, 0, 0, 0]]]))
+    tap._record([fs("a", True, "PENDING"), fs("b", True), fs("c", True, "FINISHED")], [3, 4, 5])
+    assert set(tap.events) == {"b"} and tap.events["b"][0][0] == 4 and tap.events["b"][0][1][0][0] == 1
+    tap._hook(head, (), torch.tensor([[[0, 0, 0, 9.0, 0, 0]]]))
+    tap._record([fs("a", True)], [2])  # the offloaded request's position, recomputed
+    assert tap.result("a", [2])["tap_tokens"] == [2]
 
 
 def test_arrivals_join_after_the_batch_their_step_names():
