@@ -22,7 +22,7 @@ TILE_ROWS = (FA2_PAGED_TILE_Q, 128)
 
 # Every limit the strategies aim at, in the order a summary lists them.
 LIMITS = ("max_model_len", "max_model_len - 1", "max_model_len with drafts",
-          "budget 1", "budget 2", "budget = 1 + k", "budget = k", "prompt = budget", "prompt = budget + 1",
+          "budget 1", "budget 2", "budget = 1 + k", "budget = k", "budget cuts a decode's drafts", "prompt = budget", "prompt = budget + 1",
           "max_num_seqs", "max_num_seqs + 1", "kv blocks exact", "kv blocks + 1",
           "block edge", "block edge +- 1", "tile edge", "tile edge +- 1",
           "spec k 1", f"spec k {MAX_SPEC_TOKENS}", "capture size", "capture size + 1")
@@ -75,6 +75,10 @@ def limits_reached(cfg: EngineConfig, requests) -> list[str]:
     if cfg.speculative_method != "none":
         k = cfg.num_speculative_tokens
         out |= {"budget = 1 + k"} if budget == 1 + k else {"budget = k"} if budget == k else set()
+        # Fewer than one full decode (1 + k) per running request, and not a whole number of
+        # them: if they all decode with every draft, the last one's drafts are cut.
+        decodes = sum(r.params.n for r in requests)
+        out |= {"budget cuts a decode's drafts"} if budget % (1 + k) and budget < decodes * (1 + k) else set()
         out |= {f"spec k {k}"} if k in (1, MAX_SPEC_TOKENS) else set()
     # Requests arriving together (children of n > 1 each count): max_num_seqs of them run at once.
     first = min((r.arrival_step for r in requests), default=0)
@@ -166,6 +170,18 @@ SPEC_K = ("as drawn", "one", "max", "any", "fills budget", "one past budget")
 # EAGLE's draft head is built with the engine (one engine per k): its k stays at the ends
 # and the one drawn before, so a campaign's engine pool does not fill with EAGLE engines.
 EAGLE_K = (1, 2, MAX_SPEC_TOKENS)
+
+
+# Whether the budget is put on a drafting decode's edge (draft_edge_budget); False shrinks first.
+DRAFT_EDGE = (False,) * 3 + (True,)
+
+
+def draft_edge_budget(k: int, decodes: int, kept: int) -> int:
+    """A budget that `decodes` decodes with all k drafts fill, but for the last one, which is
+    left `kept` (1..k) of its 1 + k tokens: its drafts are cut to kept - 1 (the class of
+    docs/bug_classes.md#sched_drafts_over_budget). At least 3 tokens: a budget of one or two
+    is tiny_budget's, for small workloads only."""
+    return max(3, (decodes - 1) * (1 + k) + kept)
 
 
 def spec_tokens(method: str, k: int, how: str, any_k: int, budget: int) -> int:

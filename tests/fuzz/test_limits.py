@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, Phase, find, settings
 from engine.config import ConfigError, EngineConfig
 from engine.sample.sampling_params import SamplingParams
 from fuzz.case import Case, RequestSpec, Workload
-from fuzz.limits import (LIMITS, MAX_SPEC_TOKENS, full_batch, kv_demand, kv_pool, limits_reached,
+from fuzz.limits import (LIMITS, MAX_SPEC_TOKENS, draft_edge_budget, full_batch, kv_demand, kv_pool, limits_reached,
                          mid_block_prefix_class, mix_counts, spec_tokens, tiny_budget)
 from fuzz.strategies import DEFAULT_LAYOUTS, FUZZ_MODEL, IMPLEMENTED_MODES, cases, tokens_from_seed
 
@@ -49,6 +49,11 @@ def test_limits_are_named_exactly_and_one_off() -> None:
     assert {"budget = 1 + k", "budget 2", "spec k 1"} <= set(at(RequestSpec(toks(1, 3), 1), c=ngram.replace(
         max_num_batched_tokens=2, num_speculative_tokens=1)))
     assert "budget = k" in at(RequestSpec(toks(1, 3), 1), c=ngram.replace(max_num_batched_tokens=3))
+    # k 3: two decodes need 8 tokens; a budget of 6 cuts the second's drafts, 8 and 12 cut none.
+    two = (RequestSpec(toks(1, 3), 4), RequestSpec(toks(2, 3), 4))
+    assert "budget cuts a decode's drafts" in at(*two, c=ngram.replace(max_num_batched_tokens=6))
+    assert not {"budget cuts a decode's drafts"} & set(at(*two, c=ngram.replace(max_num_batched_tokens=8))
+                                                       + at(*two, c=ngram.replace(max_num_batched_tokens=12)))
     eight = [RequestSpec(toks(i, 2), 1) for i in range(8)]
     assert "max_num_seqs" in at(*eight) and "max_num_seqs + 1" in at(*eight, RequestSpec(toks(9, 2), 1))
     # A late ninth request does not arrive with the eight.
@@ -78,6 +83,8 @@ def test_limit_choices_land_on_the_limit_or_leave_the_case_as_is() -> None:
     assert tiny_budget(FUZZ_MODEL, Workload((RequestSpec(toks(1, 8), 2),)), 1).max_num_batched_tokens == 1
     assert tiny_budget(FUZZ_MODEL, wl, 1) == FUZZ_MODEL  # too many tokens for a token a step
     assert spec_tokens("ngram", 2, "fills budget", 3, 9) == 8 and spec_tokens("ngram", 2, "one past budget", 3, 9) == 2
+    # Two decodes of k 4 fill 5 tokens, the third keeps 2 of its 5; never below 3 tokens.
+    assert draft_edge_budget(4, 3, 2) == 12 and draft_edge_budget(2, 1, 1) == 3
     assert spec_tokens("eagle", 2, "any", 5, 64) == 2 and spec_tokens("eagle", 2, "max", 5, 64) == MAX_SPEC_TOKENS
 
 
