@@ -341,9 +341,12 @@ def engine_configs(draw, layouts=DEFAULT_LAYOUTS, modes=("eager",), base: Engine
     seqs = draw(st.sampled_from((base.max_num_seqs, 2, 4)))
     # The budget on a drafting decode's edge: 1-3 decodes with every draft fill it but the last,
     # whose drafts it cuts (with a 5-64 budget and k of 2-4, a cut decode needed many decodes
-    # at once). Drawn after the rest, so the draws above go as they did.
-    if k and not long and draw(st.sampled_from(DRAFT_EDGE)):
-        budget = draft_edge_budget(k, draw(st.integers(1, 3)), draw(st.integers(1, k)))
+    # at once). Drawn after the rest, so the draws above go as they did, and always (applied
+    # only with speculation), so that shrinking k to none does not shift the draws after it.
+    edge, decodes, kept = (draw(st.sampled_from(DRAFT_EDGE)), draw(st.integers(1, 3)),
+                           draw(st.integers(1, MAX_SPEC_TOKENS)))
+    if k and not long and edge:
+        budget = draft_edge_budget(k, decodes, min(kept, k))
     return base.replace(max_num_seqs=seqs, tensor_parallel_size=tp, pipeline_parallel_size=pp, max_num_batched_tokens=budget,
                         num_gpu_blocks=blocks, sequence_parallel=sp, broadcast_pp_output=bcast,
                         speculative_method=method, num_speculative_tokens=k,

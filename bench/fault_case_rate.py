@@ -1,0 +1,58 @@
+"""The share of drawn Cases of one cell in which a registered fault is caught: how often the
+strategies draw the Case a fault's bug class needs, apart from how a selftest's time is
+spread over the cells (`llmfuzz selftest` time to detection mixes both).
+
+    python bench/fault_case_rate.py --fault F [--layout tp1pp1] [--mode eager] [--cases 80]
+
+Cases are drawn as a campaign draws them (fuzz.strategies.cases, derandomized: the same
+Cases on every run of one tree), each checked once by the harness with the fault on. Prints
+one JSON object: cases, caught, the share, and by speculative method where drafts matter.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from collections import Counter
+
+
+def main() -> None:
+    from hypothesis import HealthCheck, given, settings
+
+    from fuzz.strategies import cases
+    from fuzz.verdict.harness import Harness
+    from fuzz.verdict.properties import Violation
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--fault", required=True)
+    ap.add_argument("--layout", default="tp1pp1")
+    ap.add_argument("--mode", default="eager")
+    ap.add_argument("--cases", type=int, default=80)
+    a = ap.parse_args()
+    h, n = Harness(), Counter()
+
+    @settings(max_examples=a.cases, derandomize=True, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(cases((a.layout,), (a.mode,), (a.fault,)))
+    def one(case):
+        n["cases"] += 1
+        n[f"cases {case.config.speculative_method}"] += 1
+        try:
+            h.check(case)
+        except Violation as v:
+            n["caught"] += 1
+            n[f"caught {case.config.speculative_method}"] += 1
+            n[f"by {v.property}"] += 1
+
+    try:
+        one()
+    finally:
+        h.close()
+    tree = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    print(json.dumps({"command": "python bench/fault_case_rate.py " + " ".join(sys.argv[1:]), "tree": tree,
+                      "share": round(n["caught"] / max(1, n["cases"]), 3), **dict(sorted(n.items()))}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
