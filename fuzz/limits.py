@@ -172,18 +172,6 @@ SPEC_K = ("as drawn", "one", "max", "any", "fills budget", "one past budget")
 EAGLE_K = (1, 2, MAX_SPEC_TOKENS)
 
 
-# Whether the budget is put on a drafting decode's edge (draft_edge_budget); False shrinks first.
-DRAFT_EDGE = (False,) * 3 + (True,)
-
-
-def draft_edge_budget(k: int, decodes: int, kept: int) -> int:
-    """A budget that `decodes` decodes with all k drafts fill, but for the last one, which is
-    left `kept` (1..k) of its 1 + k tokens: its drafts are cut to kept - 1 (the class of
-    docs/bug_classes.md#sched_drafts_over_budget). At least 3 tokens: a budget of one or two
-    is tiny_budget's, for small workloads only."""
-    return max(3, (decodes - 1) * (1 + k) + kept)
-
-
 def spec_tokens(method: str, k: int, how: str, any_k: int, budget: int) -> int:
     """The number of speculative tokens `how` picks for `method` (`any_k`: a drawn one); one
     past the engine's range (or, for EAGLE, outside EAGLE_K) falls back to `k`."""

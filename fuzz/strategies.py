@@ -19,8 +19,8 @@ from engine.poison import POISON_MODES
 from engine.sample.sampling_params import SamplingParams
 from engine.schedule import Schedule
 from fuzz.case import Case, RequestSpec, Workload
-from fuzz.limits import (AT_END, AT_END_MAX_LEN, DRAFT_EDGE, FULL_BATCH, KV_POOL, MAX_SPEC_TOKENS, SPEC_K, TILE_ROWS,
-                          TINY_BUDGETS, draft_edge_budget, full_batch, kv_pool, limits_reached, mid_block_plan, mid_block_prefix_class,
+from fuzz.limits import (AT_END, AT_END_MAX_LEN, FULL_BATCH, KV_POOL, MAX_SPEC_TOKENS, SPEC_K, TILE_ROWS, TINY_BUDGETS,
+                          full_batch, kv_pool, limits_reached, mid_block_plan, mid_block_prefix_class,
                           spec_tokens, tiny_budget)
 
 # 8 layers (pp8, uneven pp3), 8 query heads and 2 kv heads (tp8 replicates kv heads).
@@ -339,14 +339,6 @@ def engine_configs(draw, layouts=DEFAULT_LAYOUTS, modes=("eager",), base: Engine
     # 9 requests running at once under a budget of 5-64 tokens were all but never drawn).
     # Drawn last, so the draws above go as they did.
     seqs = draw(st.sampled_from((base.max_num_seqs, 2, 4)))
-    # The budget on a drafting decode's edge: 1-3 decodes with every draft fill it but the last,
-    # whose drafts it cuts (with a 5-64 budget and k of 2-4, a cut decode needed many decodes
-    # at once). Drawn after the rest, so the draws above go as they did, and always (applied
-    # only with speculation), so that shrinking k to none does not shift the draws after it.
-    edge, decodes, kept = (draw(st.sampled_from(DRAFT_EDGE)), draw(st.integers(1, 3)),
-                           draw(st.integers(1, MAX_SPEC_TOKENS)))
-    if k and not long and edge:
-        budget = draft_edge_budget(k, decodes, min(kept, k))
     return base.replace(max_num_seqs=seqs, tensor_parallel_size=tp, pipeline_parallel_size=pp, max_num_batched_tokens=budget,
                         num_gpu_blocks=blocks, sequence_parallel=sp, broadcast_pp_output=bcast,
                         speculative_method=method, num_speculative_tokens=k,

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, Phase, find, settings
 from engine.config import ConfigError, EngineConfig
 from engine.sample.sampling_params import SamplingParams
 from fuzz.case import Case, RequestSpec, Workload
-from fuzz.limits import (LIMITS, MAX_SPEC_TOKENS, draft_edge_budget, full_batch, kv_demand, kv_pool, limits_reached,
+from fuzz.limits import (LIMITS, MAX_SPEC_TOKENS, full_batch, kv_demand, kv_pool, limits_reached,
                          mid_block_prefix_class, mix_counts, spec_tokens, tiny_budget)
 from fuzz.strategies import DEFAULT_LAYOUTS, FUZZ_MODEL, IMPLEMENTED_MODES, cases, tokens_from_seed
 
@@ -83,8 +83,7 @@ def test_limit_choices_land_on_the_limit_or_leave_the_case_as_is() -> None:
     assert tiny_budget(FUZZ_MODEL, Workload((RequestSpec(toks(1, 8), 2),)), 1).max_num_batched_tokens == 1
     assert tiny_budget(FUZZ_MODEL, wl, 1) == FUZZ_MODEL  # too many tokens for a token a step
     assert spec_tokens("ngram", 2, "fills budget", 3, 9) == 8 and spec_tokens("ngram", 2, "one past budget", 3, 9) == 2
-    # Two decodes of k 4 fill 5 tokens, the third keeps 2 of its 5; never below 3 tokens.
-    assert draft_edge_budget(4, 3, 2) == 12 and draft_edge_budget(2, 1, 1) == 3
+
     assert spec_tokens("eagle", 2, "any", 5, 64) == 2 and spec_tokens("eagle", 2, "max", 5, 64) == MAX_SPEC_TOKENS
 
 
