@@ -325,7 +325,8 @@ def main(argv: list[str] | None = None, *, restore_signals: bool = True) -> int:
     clear_stop()  # a stop belongs to the command it interrupted (tests call main() in-process)
     try:
         try:
-            return args.fn(args)
+            with _reports_to_stderr():
+                return args.fn(args)
         except BadInput as e:
             print(f"llmfuzz: {e}", file=sys.stderr)
             return EXIT_BAD_INPUT
@@ -345,6 +346,14 @@ def main(argv: list[str] | None = None, *, restore_signals: bool = True) -> int:
             if not restore_signals:
                 handler = stop_after_command
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+def _reports_to_stderr():
+    """Hypothesis' own reports (a slow shrink's warning, say) go to stderr: stdout is the
+    command's output, one JSON document with --json (a warning printed there broke it)."""
+    from hypothesis.reporting import with_reporter
+
+    return with_reporter(lambda text: print(text, file=sys.stderr))
 
 
 def console_main() -> int:

@@ -65,10 +65,17 @@ def other_schedule(s: Schedule) -> Schedule:
     """The Schedule the determinism oracle re-runs a Case under: ranks picked at random from
     another seed, copies delayed and the host running ahead by other amounts, so the order in
     which ranks reach each collective and when copies land both differ from the Case's own run
-    (a correct engine's results depend on neither). A pure function of `s`."""
-    return Schedule(seed=(s.seed + 0x9E37) % 2 ** 16 if s.rank_order == "random" else s.seed,
+    (a correct engine's results depend on neither). A pure function of `s`.
+
+    The engine's own decisions stay: async_wait, and the seed its driver draws them from
+    (engine/schedule.py: when to wait for the step in flight), which decide how requests are
+    batched; in bf16 another batching may round differently without any bug. With async_wait
+    the seed is kept, and the ranks' picks still differ (other copy and run-ahead draws from
+    the same stream, and random order where the Case's own was natural)."""
+    keep_seed = s.rank_order != "random" or s.async_wait != 0.0
+    return Schedule(seed=s.seed if keep_seed else (s.seed + 0x9E37) % 2 ** 16,
                     rank_order="random", copy_delay=0.5 if s.copy_delay != 0.5 else 0.9,
-                    prepare_ahead=1.0 if s.prepare_ahead != 1.0 else 0.5)
+                    prepare_ahead=1.0 if s.prepare_ahead != 1.0 else 0.5, async_wait=s.async_wait)
 
 
 def rescheduled(case: Case) -> Case:

@@ -293,3 +293,20 @@ def test_inproc_world_shutdown_joins_rank_threads() -> None:
     world.shutdown()
     alive = [r.rank for r in world.ranks if r.thread.is_alive()]
     assert not alive, f"rank threads still running after shutdown: {alive}"
+
+
+def test_hypothesis_reports_go_to_stderr_and_leave_the_json_alone(monkeypatch, capsys) -> None:
+    """A slow shrink makes Hypothesis print a warning; on stdout it broke `run --json`'s one
+    JSON document (a 900 s bf16 campaign's): it goes to stderr."""
+    import fuzz.cli.main as cli_main
+    from hypothesis.reporting import report
+
+    def noisy(args):
+        report("WARNING: Hypothesis has spent more than five minutes working to shrink a failing example")
+        print(json.dumps({"examples": 1}))
+        return 0
+
+    monkeypatch.setattr(cli_main, "cmd_faults", noisy)
+    assert cli_main.main(["faults", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out) == {"examples": 1} and "five minutes" in err
