@@ -80,7 +80,7 @@ class EngineTarget:
 
     def generate(self, config: EngineConfig, requests: list[Request]):
         """Completions of `requests` on the engine for `config` (see the module docstring)."""
-        raise NotImplementedError(f"{type(self).__name__}.generate")
+        raise NotImplementedError(f"{type(self).__name__}.generate")  # the one method every adapter writes
 
     def checkpoint(self, config: EngineConfig) -> str:
         """The Hugging Face directory of `config`'s weights: what the engine must load."""

@@ -47,6 +47,16 @@ class TargetUnavailable(RuntimeError):
     """The target's engine is not installed or cannot be found."""
 
 
+def adapter_error(f: TargetFailure, package: str) -> str | None:
+    """A start-up that failed before any of `package`'s code ran (no frame of it in the
+    traceback: our adapter's own call, say an option the installed version lacks) is a harness
+    error, not the engine's finding: the line its config's row shows, else None."""
+    if f.kind == "startup" and f.signature.endswith(f"@<outside {package}>"):
+        return (f"not run: the adapter failed before entering {package}, a harness error, not the "
+                f"engine's: {f.signature}: {f.detail}")
+    return None
+
+
 def request_items(case: Case) -> list[tuple[str, RequestSpec]]:
     """Request ids as the reference engine names them (r0, r1, ...)."""
     return [(f"r{i}", r) for i, r in enumerate(case.workload.requests)]

@@ -36,7 +36,7 @@ import time
 
 from fuzz.case import Case, RequestSpec
 from fuzz.targets.base import Unsupported
-from fuzz.targets.runs import RequestResult, TargetFailure, TargetRun, request_items, signature
+from fuzz.targets.runs import RequestResult, TargetFailure, TargetRun, adapter_error, request_items, signature
 from fuzz.targets.transformers_cb.configs import CBOptions, cb_config, cell_name, process_spec
 from fuzz.targets.checkpoint import checkpoint_dir
 from fuzz.targets.vllm.process import _Worker, kill_group, read_reply, stop_worker
@@ -160,17 +160,15 @@ class CBRunner:
 
     def check_supported(self, case: Case) -> None:
         """Start `case`'s engine; Unsupported with the library's message if it refuses the
-        config, or where the start failed before entering the library (the adapter's own call,
-        say a config field this transformers version lacks): a harness error, not a finding,
-        shown on the config's row."""
+        config, or where the start failed before entering the library (fuzz.targets.runs.
+        adapter_error): a harness error, not a finding, shown on the config's row."""
         try:
             self.ensure(case)
         except TargetFailure as f:
             if unsupported(f):
                 raise Unsupported(f"unsupported by transformers: {f.signature}: {f.detail}") from None
-            if f.kind == "startup" and f.signature.endswith("@<outside transformers>"):
-                raise Unsupported(f"not run: the adapter failed before entering transformers {self.version}, "
-                                  f"a harness error, not the library's: {f.signature}: {f.detail}") from None
+            if (why := adapter_error(f, "transformers")) is not None:
+                raise Unsupported(why) from None
             raise
 
     def shutdown(self) -> None:

@@ -207,7 +207,7 @@ class VLLMTarget(Target):
         return cell_name(case.config, VLLMOptions.of(case)), ""
 
     def start(self, cell: Cell) -> None:
-        from fuzz.targets.runs import TargetFailure
+        from fuzz.targets.runs import TargetFailure, adapter_error
         from fuzz.targets.vllm.checker import violation_for
 
         t = self.checker.runner
@@ -220,6 +220,8 @@ class VLLMTarget(Target):
         except TargetFailure as f:
             if unsupported(f):
                 raise Unsupported(f"unsupported by vLLM: {f.signature}: {f.detail}") from None
+            if (why := adapter_error(f, "vllm")) is not None:
+                raise Unsupported(why) from None
             if f.kind == "deadline":
                 raise Unsupported("not started: the campaign's time ran out") from None
             if f.signature in self.known or f.signature in self.written:

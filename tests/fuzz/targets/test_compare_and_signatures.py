@@ -115,3 +115,11 @@ def test_cli_parser_is_light():
             "print('torch' in sys.modules, 'vllm' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+def test_a_start_up_outside_the_engine_is_the_adapters_error() -> None:
+    from fuzz.targets.runs import TargetFailure, adapter_error
+
+    assert "harness error" in adapter_error(TargetFailure("startup", "TypeError@<outside vllm>", "x"), "vllm")
+    assert adapter_error(TargetFailure("startup", "ValueError@vllm/config/model.py:f"), "vllm") is None
+    assert adapter_error(TargetFailure("crash", "TypeError@<outside vllm>"), "vllm") is None  # after start: a crash

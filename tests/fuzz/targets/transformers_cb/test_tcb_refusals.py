@@ -77,7 +77,7 @@ def test_a_start_that_fails_before_the_library_runs_is_a_harness_error_not_a_fin
     monkeypatch.setattr(runner_mod, "cb_config", lambda cfg, opts: {"no_such_field": 1})
     r = runner_mod.CBRunner()
     try:
-        with pytest.raises(Unsupported, match=r"adapter failed before entering transformers .*TypeError@<outside "
+        with pytest.raises(Unsupported, match=r"adapter failed before entering transformers.*TypeError@<outside "
                                               r"transformers>.*no_such_field"):
             r.check_supported(CBOptions().on(Case(CB_MODEL, WL)))
     finally:
