@@ -3,16 +3,21 @@
 # (.github/workflows/nightly.yml): fuzz campaign, selftest, report.
 #
 #   ci/nightly.sh [--budget SECONDS] [--out DIR] [--selftest-budget SECONDS]
-#                 [--layouts L] [--modes M] [--seed N] [--fault NAME]... [--shard K/N]
+#                 [--layouts L] [--modes M] [--seed N] [--fault NAME]... [--jobs J]
+#                 [--shard K/N | --shards N]
 #
 #   --budget S           fuzz campaign time budget (default 600); the shrink phase after it
 #                        runs up to max(60 s, budget/4) more
 #   --out DIR            where everything goes (default out/nightly, which .gitignore ignores)
 #   --selftest-budget S  seconds per fault for `llmfuzz selftest` (default 60; 0 skips it:
 #                        the CI fuzz job does, because selftest is its own job there)
-#   --layouts, --modes, --seed, --fault   passed to `llmfuzz run`
+#   --layouts, --modes, --seed, --fault, --jobs   passed to `llmfuzz run`
 #   --shard K/N          passed to `llmfuzz run`: this machine's share of a campaign N run
 #                        between them; ci/merge.sh puts the N results together
+#   --shards N           the CI matrix on this machine: N shards at once, each `--shard K/N`
+#                        for the whole budget with its share of the cores (--jobs, default
+#                        cores/N) into DIR/shards/K, one shared example database, then
+#                        ci/merge.sh into DIR; the selftest and report follow on the merged run
 #
 # Writes DIR/summary.json (`llmfuzz run --json`), DIR/reproducers/, DIR/selftest.json,
 # DIR/report.html, DIR/job_summary.md (Markdown: failures and their replay commands).
@@ -26,11 +31,49 @@ set -uo pipefail
 source "$(dirname "$0")/lib.sh"
 
 opt=([budget]=600 [out]=out/nightly [selftest-budget]=60)
-parse_args "budget out selftest-budget" "layouts modes seed fault shard" "$@"
-budget=${opt[budget]} out=${opt[out]} selftest_budget=${opt[selftest-budget]}
+opt[shards]=""
+parse_args "budget out selftest-budget shards" "layouts modes seed fault shard jobs" "$@"
+budget=${opt[budget]} out=${opt[out]} selftest_budget=${opt[selftest-budget]} shards=${opt[shards]}
 is_num "$budget" || die "--budget: '$budget' is not a number of seconds"
 is_num "$selftest_budget" || die "--selftest-budget: '$selftest_budget' is not a number of seconds"
+if [[ -n $shards ]]; then
+    [[ $shards =~ ^[1-9][0-9]*$ ]] || die "--shards: '$shards' is not a positive whole number"
+    [[ " ${run_extra[*]} " != *" --shard "* ]] || die "--shards and --shard: give one (--shard is one machine's share)"
+fi
 llmfuzz_python
+
+# --shards N: this script N times at once as the matrix's machines (`--shard K/N`, the cores
+# dealt between them, one example database they all read and write), then ci/merge.sh. Sets
+# run_rc: merge's exit code, or a shard's that ended without a summary (2, 130) when merge's is 0.
+run_shards() {
+    local k jobs=() pids=() rcs=() self
+    self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
+    [[ " ${run_extra[*]} " == *" --jobs "* ]] || jobs=(--jobs $(( $(nproc) / shards > 0 ? $(nproc) / shards : 1 )))
+    rm -rf "$out/shards"
+    echo "ci/nightly.sh: $shards shards at once for ${budget}s each (database $LLMFUZZ_DB) -> $out/shards" >&2
+    for ((k = 1; k <= shards; k++)); do
+        bash "$self" --budget "$budget" --out "$out/shards/$k" --selftest-budget 0 --shard "$k/$shards" \
+            "${jobs[@]}" "${run_extra[@]}" &
+        pids+=($!)
+    done
+    trap 'kill -INT "${pids[@]}" 2>/dev/null' INT
+    trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM
+    for k in "${!pids[@]}"; do
+        while :; do
+            wait "${pids[$k]}"; rcs[k]=$?
+            kill -0 "${pids[$k]}" 2>/dev/null || break  # a trapped signal interrupted the wait
+        done
+    done
+    trap - INT TERM
+    forwarding bash "$(dirname "$self")/merge.sh" --from "$out/shards" --out "$out"
+    run_rc=$rc
+    for k in "${!rcs[@]}"; do
+        if ((rcs[k] != 0 && rcs[k] != 1)); then
+            echo "ci/nightly.sh: shard $((k + 1))/$shards exited ${rcs[k]}" >&2
+            ((run_rc == 0)) && run_rc=${rcs[k]}
+        fi
+    done
+}
 
 mkdir -p "$out" || die "cannot create --out $out"
 export LLMFUZZ_PROFILE=nightly
@@ -38,10 +81,14 @@ export LLMFUZZ_DB=${LLMFUZZ_DB:-$out/example-db}
 mkdir -p "$LLMFUZZ_DB"  # Hypothesis creates it lazily; the CI upload wants it to exist
 rm -f "$out/summary.json" "$out/selftest.json" "$out/report.html" "$out/job_summary.md"
 
-echo "ci/nightly.sh: fuzzing for ${budget}s (database $LLMFUZZ_DB) -> $out" >&2
-forwarding llmfuzz run --profile nightly --budget "$budget" --json --out "$out/reproducers" \
-    "${run_extra[@]}" >"$out/summary.json"
-run_rc=$rc
+if [[ -n $shards ]]; then
+    run_shards
+else
+    echo "ci/nightly.sh: fuzzing for ${budget}s (database $LLMFUZZ_DB) -> $out" >&2
+    forwarding llmfuzz run --profile nightly --budget "$budget" --json --out "$out/reproducers" \
+        "${run_extra[@]}" >"$out/summary.json"
+    run_rc=$rc
+fi
 if ! is_json "$out/summary.json"; then
     rm -f "$out/summary.json"
     printf '## llmfuzz nightly\n\n**llmfuzz run exited %s without a summary** (see the log).\n' "$run_rc" \

@@ -75,6 +75,25 @@ def test_two_shards_then_merge_end_to_end(tmp_path) -> None:
     assert set(Db(str(out / "example-db")).fetch(b"cell")) == {b"shard1", b"shard2"}
 
 
+def test_shards_on_one_machine_end_to_end(tmp_path) -> None:
+    """ci/nightly.sh --shards 2: the matrix run locally, two shards at once into out/shards/K,
+    one shared example database, merged into one summary whose totals are the shards' sum."""
+    if not shutil.which("llmfuzz", path=script_env()["PATH"]):
+        pytest.skip("the llmfuzz console script is not installed (pip install -e .)")
+    proc = subprocess.run(
+        ["bash", str(ROOT / "ci" / "nightly.sh"), "--budget", "3", "--out", "nightly", "--layouts",
+         "tp1pp1,tp1pp2", "--modes", "eager", "--selftest-budget", "0", "--shards", "2", "--jobs", "1"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, env=script_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "nightly"
+    summary = json.loads((out / "summary.json").read_text())
+    assert [s["shard"] for s in summary["shards"]] == ["1/2", "2/2"] and summary["layouts"] == ["tp1pp1", "tp1pp2"]
+    shard_examples = [json.loads((out / "shards" / k / "summary.json").read_text())["examples"] for k in "12"]
+    assert summary["examples"] == sum(shard_examples) and min(shard_examples) > 0
+    assert "<h2>Shards</h2>" in (out / "report.html").read_text()
+    assert (out / "example-db").is_dir() and not (out / "shards" / "1" / "example-db").exists()
+
+
 def test_merge_script_without_shards_is_an_error(tmp_path) -> None:
     (tmp_path / "shards" / "a").mkdir(parents=True)
     proc = subprocess.run(["bash", str(ROOT / "ci" / "merge.sh"), "--from", str(tmp_path / "shards"), "--out",
@@ -87,6 +106,7 @@ def test_merge_script_without_shards_is_an_error(tmp_path) -> None:
 @pytest.mark.parametrize("argv, words", [
     (["--budget", "soon"], "--budget"), (["--selftest-budget", "-1"], "--selftest-budget"),
     (["--frobnicate"], "unknown argument"), (["--budget"], "needs a value"),
+    (["--shards", "0"], "--shards"), (["--shards", "2", "--shard", "1/2"], "give one"),
 ])
 def test_nightly_script_bad_input(tmp_path, argv, words) -> None:
     """Refused before anything starts: one line, exit 2, nothing written."""
