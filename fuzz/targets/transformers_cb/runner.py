@@ -105,7 +105,9 @@ class CBRunner:
     def _spawn(self, tag: str) -> _Worker:
         self._n_logs += 1
         log_path = os.path.join(self.log_dir, f"{self._n_logs:03d}-{tag.replace('|', '_')}.log")
-        env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+        # PYTHONFAULTHANDLER: a native death (SIGABRT, SIGSEGV) dumps every thread into the log,
+        # which names it (stacks.death_signature).
+        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                    LLMFUZZ_VLLM_STACKS=self.stacks_dir,
                    PYTHONPATH=os.pathsep.join([STACKS] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
         with open(log_path, "wb") as log:
@@ -207,8 +209,8 @@ class CBRunner:
         kill_group(w)
         self.failures += 1
         if reply.get("event") != "error":
-            return TargetFailure(kind, f"ProcessDied(rc={w.proc.poll()})@transformers_cb_worker",
-                                 self._log_tail(w), w.log_path)
+            from fuzz.targets.transformers_cb.stacks import death_signature
+            return TargetFailure(kind, *death_signature(self._log(w), w.proc.poll()), w.log_path)
         return TargetFailure(kind, *self._describe(reply), w.log_path)
 
     @staticmethod
@@ -223,11 +225,11 @@ class CBRunner:
         return sig, detail[:800]
 
     @staticmethod
-    def _log_tail(w: _Worker) -> str:
+    def _log(w: _Worker) -> str:
         try:
             with open(w.log_path, "rb") as f:
-                return " | ".join(f.read().decode("utf-8", "replace").strip().splitlines()[-3:])[:400]
-        except OSError:
+                return f.read().decode("utf-8", "replace").strip()
+        except OSError:  # no log to read: the report says only that the process died
             return ""
 
     # -- running ----------------------------------------------------------------------------

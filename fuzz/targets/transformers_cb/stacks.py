@@ -3,13 +3,18 @@ dumped when no batch finished for a while) read with the vLLM target's parser
 (fuzz.targets.vllm.stacks). The library's background thread computes or sleeps somewhere a
 batch should have returned from; the worker's main thread only waits for results. The
 signature is `hang@<innermost transformers frame of the first thread not waiting>` (or of a
-waiting one when every thread waits: a deadlock), without line numbers."""
+waiting one when every thread waits: a deadlock), without line numbers. A worker that died of
+a signal (a native abort, a segfault) is named the same way from the dump faulthandler writes
+as it dies: `ProcessDied(rc=-6)@<innermost transformers frame of the thread that died>`."""
 from __future__ import annotations
 
 import os
+import re
 
 from fuzz.targets.runs import package_path
 from fuzz.targets.vllm.stacks import parse_dump, waiting
+
+_FATAL = re.compile(r"^Fatal Python error: (.+)$")
 
 
 def hang_signature(dumps: dict[int, str], fallback: str = "hang@run") -> tuple[str, str]:
@@ -33,3 +38,30 @@ def hang_signature(dumps: dict[int, str], fallback: str = "hang@run") -> tuple[s
 def _describe(thread: dict, limit: int = 6) -> str:
     return " <- ".join(f"{package_path(f['file'], 'transformers') or os.path.basename(f['file'])}:{f['line']}:{f['func']}"
                        for f in thread["frames"][:limit])
+
+
+def death_signature(log: str, rc: int | None) -> tuple[str, str]:
+    """(signature, detail) of a worker that died, from its log: faulthandler's dump of the
+    fatal signal names the thread it hit ("Current thread") and its frames; the lines printed
+    just before it say why, where the library or torch said anything (a C++ `terminate called
+    ... what(): CUDA error ...`). Without a dump, the log's last lines."""
+    base, lines = f"ProcessDied(rc={rc})", log.splitlines()
+    at = next((i for i in range(len(lines) - 1, -1, -1) if _FATAL.match(lines[i])), None)
+    if at is None:
+        return f"{base}@transformers_cb_worker", " | ".join(lines[-3:])[:400]
+    said = [ln.strip()[:200] for ln in lines[max(0, at - 6):at] if ln.strip()][-3:]
+    threads = sorted(parse_dump("\n".join(lines[at:])), key=lambda t: not t["current"])
+    sig, where = f"{base}@transformers_cb_worker", "no Python stack was dumped"
+    for t in threads:
+        p = next((q for q in (package_path(f["file"], "transformers") for f in t["frames"]) if q), None)
+        if p is not None:
+            fr = next(f for f in t["frames"] if package_path(f["file"], "transformers") == p)
+            sig, where = f"{base}@{p}:{fr['func']}", _describe(t)
+            break
+    else:
+        if threads:
+            where = _describe(threads[0])
+    detail = f"Fatal Python error: {_FATAL.match(lines[at]).group(1)}"
+    if said:
+        detail += "; printed before it: " + " / ".join(said)
+    return sig, f"{detail}; thread: {where}"[:800]

@@ -65,8 +65,9 @@ class _LoggedErrors:
 
 def _plant(what: str) -> None:
     """Planted bugs for the tests that show a failure is caught (`LLMFUZZ_TCB_PLANT`):
-    `raise_schedule:N` / `hang_schedule:N`: the N-th call of the FIFO scheduler's
-    `schedule_batch` raises / sleeps forever; `leak_cache`: every KV cache the library builds
+    `raise_schedule:N` / `hang_schedule:N` / `abort_schedule:N`: the N-th call of the FIFO
+    scheduler's `schedule_batch` raises / sleeps forever / aborts the process as a native
+    error would (SIGABRT, in the library's thread); `leak_cache`: every KV cache the library builds
     is kept referenced."""
     if not what:
         return
@@ -90,6 +91,10 @@ def _plant(what: str) -> None:
             if name == "hang_schedule":
                 while True:
                     time.sleep(1)
+            if name == "abort_schedule":
+                print("terminate called after throwing an instance of 'planted' what(): planted abort",
+                      file=sys.stderr, flush=True)
+                os.abort()
             raise RuntimeError("planted scheduler failure")
         return original(self, *a, **kw)
 

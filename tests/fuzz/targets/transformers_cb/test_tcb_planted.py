@@ -55,6 +55,18 @@ def test_scheduler_never_returning_is_a_hang_named_by_its_frame(monkeypatch):
     assert time.monotonic() - t0 < 60  # start-up, 4 s without a batch, the stack dump
 
 
+def test_a_native_abort_is_named_by_the_thread_it_hit(monkeypatch):
+    """The process dies of SIGABRT in the library's thread: the report names that thread's
+    innermost transformers frame and what the process printed as it died, not the main
+    thread's wait nor the log's last lines (faulthandler's module list)."""
+    f = run_planted(monkeypatch, "abort_schedule:2")
+    assert f.kind == "crash"
+    assert f.signature == ("ProcessDied(rc=-6)@transformers/generation/continuous_batching/continuous_api.py:"
+                           "prepare_next_batch")
+    assert f.detail.startswith("Fatal Python error: Aborted") and "planted abort" in f.detail
+    assert "planted_schedule_batch" in f.detail and "Extension modules" not in f.detail
+
+
 def test_cache_kept_alive_is_a_leak(monkeypatch):
     f = run_planted(monkeypatch, "leak_cache")
     assert (f.kind, f.signature) == ("leak", "leak@transformers:cache_alive")
