@@ -59,6 +59,10 @@ class Trace:
     sampling_params: dict[str, SamplingParams] = field(default_factory=dict)  # requests with non-default ones
     prompt_logprobs: dict[str, list[dict[int, float] | None]] = field(default_factory=dict)  # by prompt index
     stop_reasons: dict[str, int | tuple[int, ...]] = field(default_factory=dict)  # stop token id or sequence
+    # N-gram drafts the proposer gave, as (request, tokens it looked at, draft): the harness
+    # checks each against the rule (fuzz/verdict/oracles/drafts.py); a wrong draft is only
+    # rejected, so the output tokens never show it.
+    ngram_drafts: list[tuple[str, int, list[int]]] = field(default_factory=list)
 
     def output_token_ids(self) -> dict[str, list[int]]:
         return {rid: [t.token for t in recs] for rid, recs in self.tokens.items()}
@@ -254,6 +258,7 @@ class LLMEngine:
                        self.spec_cfg.num_speculative_tokens)
             if method == "ngram":
                 proposed = self.proposer.propose(req.all_token_ids, max_k=room)
+                self.trace.ngram_drafts.append((rid, req.num_tokens, list(proposed)))
             else:
                 argmax, drafts = out.sampled_token_ids[i], so.scheduled_spec_decode_tokens.get(rid, [])
                 assumed = verify_greedy(drafts, argmax) if drafts else argmax[:1]

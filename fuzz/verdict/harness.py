@@ -23,7 +23,8 @@ from fuzz.verdict.oracles import hf
 from fuzz.verdict.oracles.solo import SoloOracle
 from fuzz.verdict.properties import (DeterminismViolation, LogitsMismatch, FAViolation, LogitsReport, Violation,
                                      aborted_ids, check_determinism, check_fa_records, check_logits, check_noise,
-                                     check_prefix_cache_invariance, check_prompt_logprobs, check_sampling)
+                                     check_ngram_drafts, check_prefix_cache_invariance, check_prompt_logprobs,
+                                     check_sampling)
 from fuzz.verdict.runner import run_on_pool
 from fuzz.verdict.tolerance import Tolerance, is_half
 
@@ -124,7 +125,7 @@ class Harness:
     def check(self, case: Case) -> Verdict:
         """Run `case`, its reference and its oracles; raise the first Violation, else return a
         Verdict. Checks run cheapest first: FA invariants, reference, solo, transformers,
-        sampling, bitwise invariance against the reference (where the engine promises it:
+        n-gram drafts, sampling, bitwise invariance against the reference (where the engine promises it:
         fuzz/verdict/bitwise.py), the prefix-cache twin, determinism. A failure of the run's
         logits or FA calls carries the transformers oracle's verdict on the same run as its
         `second_opinion`."""
@@ -144,6 +145,9 @@ class Harness:
                 v.second_opinion = self._second_opinion(case, test, forced, tol)
                 raise
             skipped: dict[str, str] = {}
+            if case.config.speculative_method == "ngram":
+                check_ngram_drafts(case, test)
+                reports["drafts"] = True
             if any(r.sampling is not None for r in case.workload.requests):
                 self.check_sampling(case, test, ref, forced, reports, skipped)
             if reference_bitwise_due(case):

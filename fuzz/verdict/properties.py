@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from fuzz.case import Case
-from fuzz.verdict.oracles import sampling as sampling_oracle
+from fuzz.verdict.oracles import drafts as drafts_oracle, sampling as sampling_oracle
 from fuzz.verdict.tolerance import Tolerance
 from fuzz.verdict.invariants import FAInvariantError, check_varlen_args
 
@@ -65,6 +65,13 @@ class SamplingViolation(Violation):
     logprobs with the solo oracle's rows ("solo")."""
 
     property = "sampling"
+
+
+class DraftViolation(Violation):
+    """An n-gram draft differs from the rule the engine documents (fuzz/verdict/oracles/drafts.py):
+    invisible in the outputs, since verification rejects a wrong draft."""
+
+    property = "drafts"
 
 
 class CrashViolation(Violation):
@@ -218,6 +225,16 @@ def check_prefix_cache_invariance(case: Case, on, off) -> None:
 # -- sampling ----------------------------------------------------------------------------------
 
 _TRACE_LINE = re.compile(r"^sampling: request (\S+) output (\d+) \(step (\d+)\): (.*)$")
+
+
+def check_ngram_drafts(case: Case, test) -> None:
+    """Each n-gram draft of the run is the rule's for the tokens the proposer saw."""
+    reqs = case.workload.engine_requests()
+    prompts = {rid: list(r.prompt_token_ids) for rid, _, r, _ in reqs}
+    why = drafts_oracle.check_drafts(test, prompts, {rid: r.max_tokens for rid, _, r, _ in reqs},
+                                     case.config.num_speculative_tokens, case.config.max_model_len)
+    if why is not None:
+        raise DraftViolation(why, case, oracle="ngram rule")
 
 
 def check_sampling(case: Case, test, prompts: dict[str, list[int]]) -> None:
