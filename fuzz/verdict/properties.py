@@ -148,8 +148,22 @@ def check_logits(case: Case, ref, test, tol: Tolerance, oracle: str = "reference
     return LogitsReport(oracle, worst, worst_tol, n)
 
 
+def decodes_first(cu_seqlens_q: torch.Tensor, num_reqs: int) -> str | None:
+    """The batch order the engine's metadata promises (InputBatch.reorder_batch, as vLLM's
+    reorder_batch_threshold of 1): every one-token row before every longer one; rows of no
+    tokens (graph padding) aside. None when it holds, else what breaks it."""
+    q_lens = (cu_seqlens_q[1:num_reqs + 1] - cu_seqlens_q[:num_reqs]).tolist()
+    longer = next((i for i, n in enumerate(q_lens) if n > 1), None)
+    late = None if longer is None else next((i for i in range(longer + 1, len(q_lens)) if q_lens[i] == 1), None)
+    if late is None:
+        return None
+    return (f"batch order: row {late} runs 1 token after row {longer} runs {q_lens[longer]} "
+            f"(reorder_batch puts decodes first)")
+
+
 def check_fa_records(case: Case, records: list) -> int:
-    """Every recorded attention call satisfies the FlashAttention varlen contract. Each record
+    """Every recorded attention call satisfies the FlashAttention varlen contract, and the
+    target model's calls hand it the rows in the engine's batch order (`decodes_first`). Each record
     counts on its own: the layers of one forward share a metadata snapshot, but each call has
     its own scalars (a bad max_seqlen_q in layer 5 must not hide behind a good layer 0)."""
     # Verdicts of calls already found good, by everything the contract reads of a record
@@ -161,11 +175,15 @@ def check_fa_records(case: Case, records: list) -> int:
         key = rec.contract_key(contents)
         if key in passed:
             continue
+        where = f"rank {rec.rank} layer {rec.layer} microbatch {rec.microbatch}" + (" (graph replay)" if rec.graph else "")
         try:
             check_varlen_args(**rec.varlen_args())
         except FAInvariantError as e:
-            where = f"rank {rec.rank} layer {rec.layer} microbatch {rec.microbatch}" + (" (graph replay)" if rec.graph else "")
             raise FAViolation(f"{where}: {e}", case) from None
+        if rec.layer < case.config.num_hidden_layers:  # the target model's forward (a drafter's has its own rows)
+            out_of_order = decodes_first(rec.cu_seqlens_q, rec.num_reqs)
+            if out_of_order:
+                raise FAViolation(f"{where}: {out_of_order}", case)
         passed.add(key)
     return len(records)
 
