@@ -171,6 +171,7 @@ def check_fa_records(case: Case, records: list) -> int:
     # verdict, so only distinct calls pay for the value checks (most layers of a forward).
     passed: set[tuple] = set()
     contents: dict = {}  # snapshot bytes by identity, shared by the records of this check
+    layers = case.config.num_hidden_layers if case is not None else 0  # records without a Case: the contract only
     for rec in records:
         key = rec.contract_key(contents)
         if key in passed:
@@ -180,7 +181,7 @@ def check_fa_records(case: Case, records: list) -> int:
             check_varlen_args(**rec.varlen_args())
         except FAInvariantError as e:
             raise FAViolation(f"{where}: {e}", case) from None
-        if rec.layer < case.config.num_hidden_layers:  # the target model's forward (a drafter's has its own rows)
+        if rec.layer < layers:  # the target model's forward (a drafter's has its own rows)
             out_of_order = decodes_first(rec.cu_seqlens_q, rec.num_reqs)
             if out_of_order:
                 raise FAViolation(f"{where}: {out_of_order}", case)
