@@ -38,30 +38,31 @@ class _TensorSlot:
     dtype: torch.dtype
 
 
-def _split(obj, tensors: list[torch.Tensor]):
-    """obj with every tensor inside dicts, lists and tuples replaced by a _TensorSlot; the
-    tensors are appended to `tensors` in traversal order."""
-    if isinstance(obj, torch.Tensor):
-        tensors.append(obj.contiguous())
-        return _TensorSlot(tuple(obj.shape), obj.dtype)
+def _map_leaves(obj, is_leaf, fn):
+    """obj with every leaf (`is_leaf`) inside dicts, lists and tuples replaced by fn(leaf),
+    visited in one traversal order, the one both ends of a message share."""
+    if is_leaf(obj):
+        return fn(obj)
     if isinstance(obj, dict):
-        return {k: _split(v, tensors) for k, v in obj.items()}
+        return {k: _map_leaves(v, is_leaf, fn) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        out = [_split(v, tensors) for v in obj]
+        out = [_map_leaves(v, is_leaf, fn) for v in obj]
         return out if isinstance(obj, list) else tuple(out)
     return obj
 
 
+def _split(obj, tensors: list[torch.Tensor]):
+    """obj with every tensor replaced by a _TensorSlot; the tensors are appended to `tensors`
+    in traversal order."""
+    def slot(t: torch.Tensor) -> _TensorSlot:
+        tensors.append(t.contiguous())
+        return _TensorSlot(tuple(t.shape), t.dtype)
+    return _map_leaves(obj, lambda x: isinstance(x, torch.Tensor), slot)
+
+
 def _join(skel, fill):
     """Inverse of _split: fill(slot) yields each tensor, called in the same traversal order."""
-    if isinstance(skel, _TensorSlot):
-        return fill(skel)
-    if isinstance(skel, dict):
-        return {k: _join(v, fill) for k, v in skel.items()}
-    if isinstance(skel, (list, tuple)):
-        out = [_join(v, fill) for v in skel]
-        return out if isinstance(skel, list) else tuple(out)
-    return skel
+    return _map_leaves(skel, lambda x: isinstance(x, _TensorSlot), fill)
 
 
 class DistGroup(GroupCoordinator):
