@@ -32,3 +32,18 @@ class TargetOptions:
     def on(self, case):
         """`case` for this target with these options."""
         return replace(case, target=self.target, target_options=self.to_dict())
+
+
+DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def differing(cfg, default, spelled: dict[str, str]) -> str:
+    """'-b16-s2': each field of `cfg` named in `spelled` whose value differs from `default`'s,
+    in that order, as its format with the value in `{}` (a dtype by its short name). Cell
+    names say only what differs from the target's model, so a default config has one name."""
+    out = ""
+    for name, fmt in spelled.items():
+        value = getattr(cfg, name)
+        if value != getattr(default, name):
+            out += "-" + fmt.format(DTYPE_SHORT.get(value, value) if name == "dtype" else value)
+    return out

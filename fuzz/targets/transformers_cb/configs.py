@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
-from fuzz.targets.options import TargetOptions
+from fuzz.targets.options import TargetOptions, differing
 from fuzz.targets.vllm.configs import VLLM_MODEL, _fit
 
 TARGET = "transformers-cb"
@@ -83,9 +83,6 @@ def small_kv(cfg: EngineConfig) -> int:
     return -(-cfg.max_model_len // cfg.block_size) + 1
 
 
-_DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-
-
 def cell_name(cfg: EngineConfig, opts: CBOptions = CBOptions()) -> str:
     """'sdpa-p4-b128-s8', 'paged|eager-p16-b32-s8-kv9-prefill_first-graph-len64-bf16-cuda'."""
     name = f"{opts.attn}-p{cfg.block_size}-b{cfg.max_num_batched_tokens}-s{cfg.max_num_seqs}"
@@ -101,10 +98,7 @@ def cell_name(cfg: EngineConfig, opts: CBOptions = CBOptions()) -> str:
         name += "-noshare"
     if opts.cpu_offload:
         name += f"-swap{opts.cpu_offload:g}"
-    if cfg.max_model_len != CB_MODEL.max_model_len:
-        name += f"-len{cfg.max_model_len}"
-    if cfg.dtype != CB_MODEL.dtype:
-        name += f"-{_DTYPE_SHORT.get(cfg.dtype, cfg.dtype)}"
+    name += differing(cfg, CB_MODEL, {"max_model_len": "len{}", "dtype": "{}"})
     if cfg.device != "cpu":
         name += f"-{cfg.device.replace(':', '')}"
     return name

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from hypothesis import strategies as st
 
 from engine.config import EngineConfig
-from fuzz.targets.options import TargetOptions
+from fuzz.targets.options import DTYPE_SHORT, TargetOptions, differing
 
 # A tiny Llama that vLLM's CPU backend accepts: head_dim 64 (its CPU attention rejects 16),
 # block size a multiple of 32. 2 query heads over 1 kv head (GQA; tp2 replicates the kv
@@ -71,18 +71,10 @@ def cell_name(cfg: EngineConfig, opts: VLLMOptions = VLLMOptions()) -> str:
     """'tp1pp2-eager', 'tp1pp1-compiled-b16-s2-blk64-ngram2-bf16-len256-kv5+enable_prefix_caching'
     (the parts that differ from VLLM_MODEL; `parse_cell_name` inverts it)."""
     name = f"{cfg.layout}-{'eager' if cfg.cudagraph_mode == 'NONE' else 'compiled'}"
-    if cfg.max_num_batched_tokens != VLLM_MODEL.max_num_batched_tokens:
-        name += f"-b{cfg.max_num_batched_tokens}"
-    if cfg.max_num_seqs != VLLM_MODEL.max_num_seqs:
-        name += f"-s{cfg.max_num_seqs}"
-    if cfg.block_size != VLLM_MODEL.block_size:
-        name += f"-blk{cfg.block_size}"
+    name += differing(cfg, VLLM_MODEL, {"max_num_batched_tokens": "b{}", "max_num_seqs": "s{}", "block_size": "blk{}"})
     if cfg.speculative_method != "none":
         name += f"-{cfg.speculative_method}{cfg.num_speculative_tokens}"
-    if cfg.dtype != VLLM_MODEL.dtype:
-        name += f"-{_DTYPE_SHORT[cfg.dtype]}"
-    if cfg.max_model_len != VLLM_MODEL.max_model_len:
-        name += f"-len{cfg.max_model_len}"
+    name += differing(cfg, VLLM_MODEL, {"dtype": "{}", "max_model_len": "len{}"})
     if opts.kv_blocks:
         name += f"-kv{opts.kv_blocks}"
     if opts.describe():
@@ -90,7 +82,6 @@ def cell_name(cfg: EngineConfig, opts: VLLMOptions = VLLMOptions()) -> str:
     return name
 
 
-_DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 _CELL = re.compile(r"^(?P<layout>tp\d+pp\d+)-(?P<mode>eager|compiled)(?:-b(?P<b>\d+))?(?:-s(?P<s>\d+))?"
                    r"(?:-blk(?P<blk>\d+))?(?:-ngram(?P<k>\d+))?(?:-(?P<dt>bf16|fp16|fp32))?(?:-len(?P<len>\d+))?"
                    r"(?:-kv(?P<kv>\d+))?(?P<opts>(?:\+\w+)*)$")
@@ -115,7 +106,7 @@ def parse_cell_name(name: str, base: EngineConfig = VLLM_MODEL) -> tuple[EngineC
     if m["k"]:
         ch.update(speculative_method="ngram", num_speculative_tokens=int(m["k"]))
     if m["dt"]:
-        ch["dtype"] = {v: k for k, v in _DTYPE_SHORT.items()}[m["dt"]]
+        ch["dtype"] = {v: k for k, v in DTYPE_SHORT.items()}[m["dt"]]
     flags = [f for f in m["opts"].split("+") if f]
     try:
         opts = VLLMOptions(**{f: True for f in flags}, kv_blocks=int(m["kv"] or 0))
