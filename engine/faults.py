@@ -169,9 +169,10 @@ ABORT_FREES_BLOCKS_IN_FLIGHT = register(
         "freed while its async KV load still wrote them). Here every stage runs microbatches "
         "in submission order, so outputs stay right and the books catch it: "
         "Scheduler.check_accounting names the block a microbatch in flight lost. Minimum: "
-        "tp1pp2, 2 requests, the one in the newer microbatch aborted between steps. "
+        "tp1pp2, 2 requests, the one in the newer microbatch aborted between steps; or any layout "
+        "with the abort landing while its step runs. "
         "See docs/bug_classes.md#abort_frees_blocks_in_flight.",
-    needs="pp>=2; an abort of a request with a microbatch in flight")
+    needs="an abort of a request with a microbatch in flight (pp>=2, a step ahead, or an abort in step)")
 SAMPLING_PENALTY_STALE_ROW = register(
     "sampling_penalty_stale_row", where="engine/sample/state.py: SamplingRows.swap",
     doc="swap_states moves a row's sampling parameters but not its reference to the "

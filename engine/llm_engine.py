@@ -8,7 +8,7 @@ output index: layouts batch differently, so positions, not steps, are what compa
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -162,10 +162,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.in_flight)
 
-    def step(self) -> list[str]:
+    def step(self, between: Callable[[], None] | None = None) -> list[str]:
         """Fill the batch queue, finish the oldest microbatch; return finished request ids.
         With async scheduling the queue takes one more microbatch than PP stages (at least 2),
-        so the next step is scheduled, its decodes ahead of the one in flight, first."""
+        so the next step is scheduled, its decodes ahead of the one in flight, first.
+        `between` runs once the queue is filled, before the oldest microbatch returns: what a
+        client sends while the step runs (an abort of a request in flight)."""
         self.step_count += 1
         ahead = self.spec_cfg.async_scheduling and self.async_driver.schedule_ahead()
         while len(self.in_flight) < (max(self.cfg.pp, 2) if ahead else self.cfg.pp):
@@ -181,6 +183,8 @@ class LLMEngine:
             self.executor.submit(so)
             self.in_flight.append((so, expect))
         self.trace.max_in_flight = max(self.trace.max_in_flight, len(self.in_flight))
+        if between is not None:  # what arrives while the step runs (a client's abort)
+            between()
         if not self.in_flight:
             if self.scheduler.has_unfinished():
                 raise EngineInvariantError("scheduler stalled: unfinished requests but nothing schedulable")

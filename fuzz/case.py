@@ -23,7 +23,8 @@ from engine.schedule import Schedule
 # 5: prefix caching (`config.enable_prefix_caching`, and a request's `cache_salt`).
 # 6: a request's `sampling` (its non-default SamplingParams) and `abort_step`.
 # 7: async scheduling (`config.async_scheduling`, and the schedule's `async_wait`).
-CASE_FORMAT = 7
+# 8: a request's `abort_in_step` (its abort lands while the step it is due at runs).
+CASE_FORMAT = 8
 TARGETS = ("reference", "vllm", "transformers-cb")
 PLAIN_FORMAT = 2  # what a reference-engine Case is written as (see Case.to_dict)
 TARGET_FORMAT = 3  # what a Case on another target is written as
@@ -31,6 +32,7 @@ POISON_FORMAT = 4  # ... with stale poison
 PREFIX_FORMAT = 5  # ... with prefix caching on or a salted request
 REQUEST_FORMAT = 6  # ... with a request that samples with non-default params or is aborted
 ASYNC_FORMAT = 7  # ... with async scheduling on or a schedule that waits
+IN_STEP_FORMAT = 8  # ... with an abort that lands while its step runs
 FAULT_SCOPES = ("test", "everywhere")
 
 
@@ -52,6 +54,12 @@ class RequestSpec:
     # never. The abort comes after that step's arrivals, so abort_step == arrival_step aborts
     # it before it ever runs.
     abort_step: int | None = None
+    # The abort lands while step `abort_step` runs: after the engine scheduled it, before its
+    # oldest microbatch returns, as a client's abort reaches vLLM's engine core between two of
+    # its busy loop's turns while a batch executes. Whatever that step scheduled of the
+    # request is then in flight, in every layout and mode (between steps only PP microbatches
+    # or an async step ahead can be).
+    abort_in_step: bool = False
 
     def __post_init__(self) -> None:
         s = self.sampling
@@ -137,7 +145,8 @@ class Case:
         sampling = {i: r.sampling.to_dict() for i, r in enumerate(w.requests) if r.sampling is not None}
         if sampling:
             extra.append("sampling=" + ",".join(f"r{i}{d}" for i, d in sampling.items()).replace(" ", ""))
-        aborts = [f"r{i}@{r.abort_step}" for i, r in enumerate(w.requests) if r.abort_step is not None]
+        aborts = [f"r{i}@{r.abort_step}" + ("(in step)" if r.abort_in_step else "")
+                  for i, r in enumerate(w.requests) if r.abort_step is not None]
         if aborts:
             extra.append("abort=" + ",".join(aborts))
         if not self.schedule.is_default:
@@ -170,6 +179,9 @@ class Case:
                                              or r.abort_step < r.arrival_step):
                 raise CaseFormatError(f"workload.requests[{i}].abort_step: {r.abort_step!r} is not an integer "
                                       f">= its arrival_step {r.arrival_step}")
+            if r.abort_in_step is not False and (r.abort_in_step is not True or r.abort_step is None):
+                raise CaseFormatError(f"workload.requests[{i}].abort_in_step: {r.abort_in_step!r} needs true "
+                                      f"and an abort_step")
             if r.sampling is not None:
                 _check_sampling(f"workload.requests[{i}].sampling", r, cfg)
             if len(r.prompt_token_ids) + r.max_tokens > cfg.max_model_len:
@@ -214,6 +226,8 @@ class Case:
                 wr["sampling"] = r.sampling.to_dict()
             if r.abort_step is not None:
                 wr["abort_step"] = r.abort_step
+            if r.abort_in_step:
+                wr["abort_in_step"] = True
             workload.append(wr)
         d = {
             "format": PLAIN_FORMAT,
@@ -235,6 +249,8 @@ class Case:
             d["format"] = REQUEST_FORMAT
         if asynchronous or self.schedule.async_wait:
             d["format"] = ASYNC_FORMAT
+        if any(r.abort_in_step for r in self.workload.requests):
+            d["format"] = IN_STEP_FORMAT
         return d
 
     def to_json(self) -> str:
@@ -312,8 +328,11 @@ def _request(i: int, r: dict) -> RequestSpec:
     abort = r.get("abort_step")
     if abort is not None and (not isinstance(abort, int) or isinstance(abort, bool)):
         raise CaseFormatError(f"{where}.abort_step: expected an integer or null, got {abort!r}")
+    in_step = r.get("abort_in_step", False)
+    if not isinstance(in_step, bool):
+        raise CaseFormatError(f"{where}.abort_in_step: expected true or false, got {in_step!r}")
     return RequestSpec(tuple(int(t) for t in r["prompt_token_ids"]), int(r["max_tokens"]),
-                       int(r.get("arrival_step", 0)), _salt(r.get("cache_salt")), sampling, abort)
+                       int(r.get("arrival_step", 0)), _salt(r.get("cache_salt")), sampling, abort, in_step)
 
 
 def _check_sampling(where: str, r: RequestSpec, cfg: EngineConfig) -> None:

@@ -119,7 +119,7 @@ def _without_features(case: Case, reqs: list, salted: list, sharing: list, abort
     if sharing:
         yield _unshared(case, reqs, sharing)
     # Aborts and sampling params likewise: a finding that needs neither loses them first.
-    yield from _each(case, reqs, aborted, abort_step=None)
+    yield from _each(case, reqs, aborted, abort_step=None, abort_in_step=False)
     yield from _each(case, reqs, sampled, sampling=None)
 
 
@@ -177,8 +177,10 @@ def _features_one_by_one(case: Case, reqs: list, salted: list, sharing: list, ab
         yield _unshared(case, reqs, [i])
     for i in sampled:
         yield from _simpler_params(case, reqs, i)
-    for i in aborted:  # the abort at arrival (before the request runs at all), then a step earlier
+    for i in aborted:  # between steps, then the abort at arrival (before the request runs at all), then a step earlier
         r = reqs[i]
+        if r.abort_in_step:
+            yield _with_requests(case, reqs[:i] + [replace(r, abort_in_step=False)] + reqs[i + 1:])
         for step in sorted({r.arrival_step, r.abort_step - 1} - {r.abort_step}):
             if step >= r.arrival_step:
                 yield _with_requests(case, reqs[:i] + [replace(r, abort_step=step)] + reqs[i + 1:])

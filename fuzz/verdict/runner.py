@@ -27,7 +27,8 @@ def drive(engine: LLMEngine, case: Case, schedule: Schedule, faults: tuple[str, 
           forced: dict[str, list[int]] | None) -> Trace:
     """Run the workload to completion on `engine`: arrivals by driver step, each request with
     its sampling params (n > 1 as its children, `Workload.engine_requests`, added one by one
-    so each is teacher-forced on its own), then the aborts due at that step, then the step."""
+    so each is teacher-forced on its own), then the aborts due at that step, then the step (an
+    abort in step lands while it runs)."""
     engine.reset(schedule, faults, scheduler_config=case.config, poison=case.poison)
     pending = sorted(enumerate(case.workload.requests), key=lambda p: (p[1].arrival_step, p[0]))
     ids: dict[int, list[tuple[str, object]]] = {}
@@ -43,10 +44,19 @@ def drive(engine: LLMEngine, case: Case, schedule: Schedule, faults: tuple[str, 
                 kw = {} if params is None else {"sampling_params": params}
                 engine.add_request(rid, list(r.prompt_token_ids), r.max_tokens,
                                    forced.get(rid) if forced is not None else None, cache_salt=r.cache_salt, **kw)
+        due = []
         while aborts and aborts[0][0] <= step:  # abort_step >= arrival_step: it was added
-            engine.abort_request([rid for rid, _ in ids[aborts.pop(0)[1]]])
+            due.append(aborts.pop(0)[1])
+        # An abort in step lands while the step runs (RequestSpec.abort_in_step), the others before it.
+        in_step = [[rid for rid, _ in ids[i]] for i in due if case.workload.requests[i].abort_in_step]
+        for i in due:
+            if not case.workload.requests[i].abort_in_step:
+                engine.abort_request([rid for rid, _ in ids[i]])
         if engine.has_unfinished_requests():
-            engine.step()
+            engine.step(between=(lambda: [engine.abort_request(rids) for rids in in_step]) if in_step else None)
+        else:  # no step runs: it lands all the same (finished ids are ignored)
+            for rids in in_step:
+                engine.abort_request(rids)
         step += 1
         if step > limit:
             raise LivenessViolation(f"workload not finished after {limit} driver steps", case)

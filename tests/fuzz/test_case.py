@@ -125,6 +125,8 @@ MALFORMED = [
     ("abort_before_arrival", json.dumps(_req_doc(arrival_step=2, abort_step=1)), "abort_step"),
     ("abort_not_int", json.dumps(_req_doc(abort_step="3")), "abort_step"),
     ("abort_bool", json.dumps(_req_doc(abort_step=True)), "abort_step"),
+    ("in_step_without_abort", json.dumps(_req_doc(abort_in_step=True)), "abort_in_step"),
+    ("in_step_not_bool", json.dumps(_req_doc(abort_step=1, abort_in_step=1)), "abort_in_step"),
 ]
 
 
@@ -254,7 +256,7 @@ def test_async_scheduling_is_written_only_when_on() -> None:
     waits = dataclasses.replace(on, schedule=Schedule(seed=4, async_wait=0.5))
     for case in (on, waits):
         d = case.to_dict()
-        assert d["format"] == ASYNC_FORMAT == CASE_FORMAT and d["config"]["async_scheduling"] is True
+        assert d["format"] == ASYNC_FORMAT and d["config"]["async_scheduling"] is True
         assert Case.from_json(case.to_json()) == case
     assert Case.from_json(waits.to_json()).schedule.async_wait == 0.5
     assert not reference_config(on.config).async_scheduling

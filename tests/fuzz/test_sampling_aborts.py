@@ -22,7 +22,7 @@ from fuzz.targets.simpler import candidates
 from fuzz.verdict.derived import alone_case
 from fuzz.verdict.harness import Harness
 from fuzz.verdict.oracles.solo import SoloOracle
-from fuzz.verdict.properties import EngineViolation, LogitsMismatch, SamplingViolation, check_logits
+from fuzz.verdict.properties import EngineViolation, LogitsMismatch, SamplingViolation, Violation, check_logits
 from fuzz.verdict.tolerance import Tolerance
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -95,6 +95,43 @@ def _draw(n: int) -> list[Case]:
     return drawn
 
 
+def test_an_abort_in_step_round_trips_as_format_8() -> None:
+    """An abort that lands while its step runs: written only when set (format 8, which older
+    llmfuzz refuses), said in the description, and dropped with the abort by the minimizer."""
+    from fuzz.case import IN_STEP_FORMAT
+
+    case = _case()
+    reqs = case.workload.requests
+    inside = dataclasses.replace(case, workload=Workload((reqs[0], dataclasses.replace(reqs[1], abort_in_step=True))))
+    d = inside.to_dict()
+    assert d["format"] == IN_STEP_FORMAT and d["workload"][1]["abort_in_step"] is True
+    assert "abort_in_step" not in case.to_dict()["workload"][1]
+    assert Case.from_json(inside.to_json()) == inside and "abort=r1@4(in step)" in inside.describe()
+    simpler = [c for c in candidates(inside) if c is not None]
+    for c in simpler:
+        c.validate()  # no abort_in_step left without its abort
+    assert any(len(c.workload.requests) == 2 and c.workload.requests[1].abort_step == 4
+               and not c.workload.requests[1].abort_in_step for c in simpler)
+
+
+def test_an_abort_in_step_finds_the_request_in_flight_at_pp1() -> None:
+    """Between steps nothing of a synchronous tp1pp1 run is in flight; an abort that lands
+    while the step runs finds that step's microbatch, and freeing its blocks then is caught
+    (abort_frees_blocks_in_flight), while the clean engine keeps them until it returns."""
+    reqs = (RequestSpec(toks(1, 4), 6), RequestSpec(toks(2, 6), 6, abort_step=2, abort_in_step=True))
+    case = Case(FUZZ_MODEL, Workload(reqs))
+    h = Harness()
+    try:
+        h.check(case)
+        between = dataclasses.replace(case, workload=Workload((reqs[0], dataclasses.replace(reqs[1], abort_in_step=False))),
+                                      faults=("abort_frees_blocks_in_flight",))
+        h.check(between)  # the same abort between steps: nothing in flight to lose
+        with pytest.raises(Violation, match="released while microbatch 2"):
+            h.check(dataclasses.replace(case, faults=("abort_frees_blocks_in_flight",)))
+    finally:
+        h.close()
+
+
 def test_strategies_draw_sampling_and_aborts_at_their_rates() -> None:
     drawn = _draw(400)
     reqs = [r for c in drawn for r in c.workload.requests]
@@ -107,6 +144,9 @@ def test_strategies_draw_sampling_and_aborts_at_their_rates() -> None:
     # Hypothesis' draws do not keep that ratio per layout (measured 18 % vs 13 % under one
     # profile, 10 % vs 19 % under another), so no order between them is asserted.
     assert any(c.config.pp > 1 for c in aborted) and any(c.config.pp == 1 for c in aborted)
+    # Aborts land between steps and while a step runs (ABORT_TIMES: 4 of its 11 entries).
+    in_step = [c for c in aborted if any(r.abort_in_step for r in c.workload.requests)]
+    assert 0.1 <= len(in_step) / len(aborted) <= 0.6, len(in_step) / len(aborted)
     for c in drawn:
         Case.from_json(c.to_json()).validate()  # random sampling only without drafting, among others
         for r in c.workload.requests:
