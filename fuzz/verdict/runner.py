@@ -53,7 +53,10 @@ def drive(engine: LLMEngine, case: Case, schedule: Schedule, faults: tuple[str, 
             if not case.workload.requests[i].abort_in_step:
                 engine.abort_request([rid for rid, _ in ids[i]])
         if engine.has_unfinished_requests():
-            engine.step(between=(lambda: [engine.abort_request(rids) for rids in in_step]) if in_step else None)
+            if in_step:
+                engine.step(between=lambda: [engine.abort_request(rids) for rids in in_step])
+            else:
+                engine.step()
         else:  # no step runs: it lands all the same (finished ids are ignored)
             for rids in in_step:
                 engine.abort_request(rids)
