@@ -10,7 +10,6 @@ from engine.input_batch import InputBatch
 from engine.schedule import Schedule
 from fuzz.case import Case, RequestSpec, Workload
 from fuzz.strategies import FUZZ_MODEL
-from fuzz.verdict.harness import Harness
 from fuzz.verdict.properties import FAViolation, decodes_first
 
 # A 7-token prompt prefilled in chunks of 5 beside a 1-token one: from the second step, the
@@ -26,13 +25,6 @@ CASE = Case(FUZZ_MODEL.replace(max_num_batched_tokens=5),
 def test_decodes_first(q_lens, num_reqs, bad) -> None:
     cu = torch.tensor([0] + q_lens).cumsum(0)
     assert (decodes_first(cu, num_reqs) is not None) == bad
-
-
-@pytest.fixture
-def harness():
-    h = Harness()
-    yield h
-    h.close()
 
 
 def test_the_engines_calls_keep_the_order(harness) -> None:

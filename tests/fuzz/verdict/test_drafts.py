@@ -10,7 +10,6 @@ from engine.schedule import Schedule
 from engine.spec_decode import NgramProposer
 from fuzz.case import Case, RequestSpec, Workload
 from fuzz.strategies import FUZZ_MODEL
-from fuzz.verdict.harness import Harness
 from fuzz.verdict.oracles.drafts import ngram_rule
 from fuzz.verdict.properties import DraftViolation
 
@@ -24,13 +23,6 @@ CASE = Case(FUZZ_MODEL.replace(speculative_method="ngram", num_speculative_token
 def test_the_rule_and_the_engines_proposer_agree(context, k) -> None:
     """Two implementations of one documented rule, sharing no code."""
     assert ngram_rule(context, k) == NgramProposer(4).propose(context, max_k=k)
-
-
-@pytest.fixture
-def harness():
-    h = Harness()
-    yield h
-    h.close()
 
 
 def test_a_clean_run_passes_the_draft_check(harness) -> None:
