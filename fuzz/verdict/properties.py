@@ -161,9 +161,21 @@ def decodes_first(cu_seqlens_q: torch.Tensor, num_reqs: int) -> str | None:
             f"(reorder_batch puts decodes first)")
 
 
+def padded_rows_null(block_table: torch.Tensor, num_reqs: int) -> str | None:
+    """Graph padding as the engine's metadata promises it (vLLM's rules): the rows a padded
+    graph is handed past the batch's own point at the null block 0 only, never at blocks a
+    request holds. None when they do, else the first that does not."""
+    for i in range(num_reqs, block_table.shape[0]):
+        row = block_table[i]
+        if bool((row != 0).any()):
+            return f"padded row {i} points at blocks {sorted(set(row[row != 0].tolist()))[:4]}, not the null block 0"
+    return None
+
+
 def check_fa_records(case: Case, records: list) -> int:
     """Every recorded attention call satisfies the FlashAttention varlen contract, and the
-    target model's calls hand it the rows in the engine's batch order (`decodes_first`). Each record
+    target model's calls hand it the rows in the engine's batch order (`decodes_first`) and
+    padded rows pointing at the null block (`padded_rows_null`). Each record
     counts on its own: the layers of one forward share a metadata snapshot, but each call has
     its own scalars (a bad max_seqlen_q in layer 5 must not hide behind a good layer 0)."""
     # Verdicts of calls already found good, by everything the contract reads of a record
@@ -182,9 +194,9 @@ def check_fa_records(case: Case, records: list) -> int:
         except FAInvariantError as e:
             raise FAViolation(f"{where}: {e}", case) from None
         if rec.layer < layers:  # the target model's forward (a drafter's has its own rows)
-            out_of_order = decodes_first(rec.cu_seqlens_q, rec.num_reqs)
-            if out_of_order:
-                raise FAViolation(f"{where}: {out_of_order}", case)
+            broken = decodes_first(rec.cu_seqlens_q, rec.num_reqs) or padded_rows_null(rec.block_table, rec.num_reqs)
+            if broken:
+                raise FAViolation(f"{where}: {broken}", case)
         passed.add(key)
     return len(records)
 

@@ -1,6 +1,8 @@
-"""The batch order the engine's metadata promises (fuzz.verdict.properties.decodes_first):
-one-token rows before longer ones in every call of the target model. A reorder that leaves a
-row behind computes the same tokens (attention is per row), so only this check sees it."""
+"""What the engine's metadata promises beyond the FA contract, checked on every call of the
+target model: the batch order (fuzz.verdict.properties.decodes_first: one-token rows before
+longer ones) and graph padding (padded_rows_null: padded block-table rows at the null block).
+A reorder that leaves a row behind, or padded rows left pointing at live blocks, computes the
+same tokens (attention is per row; a padded row has no keys), so only these checks see them."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +12,8 @@ from engine.input_batch import InputBatch
 from engine.schedule import Schedule
 from fuzz.case import Case, RequestSpec, Workload
 from fuzz.strategies import FUZZ_MODEL
-from fuzz.verdict.properties import FAViolation, decodes_first
+from engine.input_prep import InputPreparer
+from fuzz.verdict.properties import FAViolation, decodes_first, padded_rows_null
 
 # A 7-token prompt prefilled in chunks of 5 beside a 1-token one: from the second step, the
 # long prompt's chunk (admitted first, row 0) runs beside the short one's decode.
@@ -40,3 +43,33 @@ def test_a_reorder_that_does_nothing_is_seen_by_the_batch_order_only(harness, mo
     assert "batch order: row 1 runs 1 token after row 0 runs 2" in e.value.message
     monkeypatch.setattr("fuzz.verdict.properties.decodes_first", lambda cu, n: None)
     harness.check(CASE)  # without it, every other check passes
+
+
+GRAPH_CASE = Case(FUZZ_MODEL.replace(cudagraph_mode="FULL", capture_sizes=(4, 8, 16, 32)),
+                  Workload((RequestSpec((1, 2, 3), 3), RequestSpec((4, 5, 6, 7, 8), 3), RequestSpec((9,), 3))),
+                  Schedule())
+
+
+def test_padded_rows_null() -> None:
+    table = torch.tensor([[4, 5], [2, -9], [0, 0], [0, 0]])
+    assert padded_rows_null(table, 2) is None and padded_rows_null(table[:2], 2) is None  # eager: no padding
+    table[3, 1] = 5
+    assert padded_rows_null(table, 2) == "padded row 3 points at blocks [5], not the null block 0"
+
+
+def test_padded_rows_left_stale_are_seen_by_the_padding_check_only(harness, monkeypatch) -> None:
+    """Graph-padded block-table rows left pointing at a live block (as a prepare that skips
+    zeroing them after a larger batch): no kernel reads a row of no keys, so tokens and logits
+    stay right; the padding check names the row."""
+    copy = InputPreparer._copy_staging
+
+    def stale_padding(self, microbatch, T_pad, R_pad):
+        self.input_batch.block_table.table[self.input_batch.num_reqs:R_pad] = 1
+        return copy(self, microbatch, T_pad, R_pad)
+
+    harness.check(GRAPH_CASE)
+    monkeypatch.setattr(InputPreparer, "_copy_staging", stale_padding)
+    with pytest.raises(FAViolation, match=r"padded row \d+ points at blocks \[1\], not the null block 0"):
+        harness.check(GRAPH_CASE)
+    monkeypatch.setattr("fuzz.verdict.properties.padded_rows_null", lambda table, n: None)
+    harness.check(GRAPH_CASE)  # without it, every other check passes
