@@ -165,11 +165,13 @@ def padded_rows_null(block_table: torch.Tensor, num_reqs: int) -> str | None:
     """Graph padding as the engine's metadata promises it (vLLM's rules): the rows a padded
     graph is handed past the batch's own point at the null block 0 only, never at blocks a
     request holds. None when they do, else the first that does not."""
-    for i in range(num_reqs, block_table.shape[0]):
-        row = block_table[i]
-        if bool((row != 0).any()):
-            return f"padded row {i} points at blocks {sorted(set(row[row != 0].tolist()))[:4]}, not the null block 0"
-    return None
+    padded = block_table[num_reqs:]
+    bad = (padded != 0).any(dim=1).nonzero().flatten()
+    if not bad.numel():
+        return None
+    row = padded[int(bad[0])]
+    return (f"padded row {num_reqs + int(bad[0])} points at blocks {sorted(set(row[row != 0].tolist()))[:4]}, "
+            f"not the null block 0")
 
 
 def check_fa_records(case: Case, records: list) -> int:

@@ -48,18 +48,20 @@ def drive(engine: LLMEngine, case: Case, schedule: Schedule, faults: tuple[str, 
         while aborts and aborts[0][0] <= step:  # abort_step >= arrival_step: it was added
             due.append(aborts.pop(0)[1])
         # An abort in step lands while the step runs (RequestSpec.abort_in_step), the others before it.
-        in_step = [[rid for rid, _ in ids[i]] for i in due if case.workload.requests[i].abort_in_step]
         for i in due:
             if not case.workload.requests[i].abort_in_step:
                 engine.abort_request([rid for rid, _ in ids[i]])
-        if engine.has_unfinished_requests():
-            if in_step:
-                engine.step(between=lambda: [engine.abort_request(rids) for rids in in_step])
-            else:
-                engine.step()
-        else:  # no step runs: it lands all the same (finished ids are ignored)
-            for rids in in_step:
-                engine.abort_request(rids)
+        in_step = [i for i in due if case.workload.requests[i].abort_in_step]
+
+        def land_in_step() -> None:
+            for i in in_step:
+                engine.abort_request([rid for rid, _ in ids[i]])
+        if not engine.has_unfinished_requests():
+            land_in_step()  # no step runs: it lands all the same (finished ids are ignored)
+        elif in_step:
+            engine.step(between=land_in_step)
+        else:
+            engine.step()
         step += 1
         if step > limit:
             raise LivenessViolation(f"workload not finished after {limit} driver steps", case)

@@ -25,14 +25,20 @@ def hang_signature(dumps: dict[int, str], fallback: str = "hang@run") -> tuple[s
             (idle if waiting(t) else busy).append(t)
     for group in (busy, idle):
         for t in group:
-            for fr in t["frames"]:
-                p = package_path(fr["file"], "transformers")
-                if p is not None:
-                    return f"hang@{p}:{fr['func']}", _describe(t)
+            if (named := _library_frame(t)) is not None:
+                return f"hang@{named}", _describe(t)
     if busy:
         fr = busy[0]["frames"][0]
         return f"hang@{os.path.basename(fr['file'])}:{fr['func']}", _describe(busy[0])
     return fallback, "no Python stack was dumped"
+
+
+def _library_frame(thread: dict) -> str | None:
+    """'transformers/x.py:func' of the thread's innermost transformers frame; None without one."""
+    for fr in thread["frames"]:
+        if (p := package_path(fr["file"], "transformers")) is not None:
+            return f"{p}:{fr['func']}"
+    return None
 
 
 def _describe(thread: dict, limit: int = 6) -> str:
@@ -51,16 +57,11 @@ def death_signature(log: str, rc: int | None) -> tuple[str, str]:
         return f"{base}@transformers_cb_worker", " | ".join(lines[-3:])[:400]
     said = [ln.strip()[:200] for ln in lines[max(0, at - 6):at] if ln.strip()][-3:]
     threads = sorted(parse_dump("\n".join(lines[at:])), key=lambda t: not t["current"])
-    sig, where = f"{base}@transformers_cb_worker", "no Python stack was dumped"
-    for t in threads:
-        p = next((q for q in (package_path(f["file"], "transformers") for f in t["frames"]) if q), None)
-        if p is not None:
-            fr = next(f for f in t["frames"] if package_path(f["file"], "transformers") == p)
-            sig, where = f"{base}@{p}:{fr['func']}", _describe(t)
-            break
+    named = next(((t, n) for t in threads if (n := _library_frame(t)) is not None), None)
+    if named is not None:
+        sig, where = f"{base}@{named[1]}", _describe(named[0])
     else:
-        if threads:
-            where = _describe(threads[0])
+        sig, where = f"{base}@transformers_cb_worker", _describe(threads[0]) if threads else "no Python stack was dumped"
     detail = f"Fatal Python error: {_FATAL.match(lines[at]).group(1)}"
     if said:
         detail += "; printed before it: " + " / ".join(said)

@@ -35,7 +35,7 @@ def check_drafts(trace, prompts: dict[str, list[int]], max_tokens: dict[str, int
                  max_model_len: int) -> str | None:
     """The first recorded draft that is not the rule's, as one line; None when all are."""
     finals = {rid: prompts[rid] + [t.token for t in trace.tokens.get(rid, [])] for rid in prompts}
-    for step, (rid, n, draft) in enumerate(trace.ngram_drafts):
+    for i, (rid, n, draft) in enumerate(trace.ngram_drafts):
         tokens, plen = finals[rid], len(prompts[rid])
         if not plen <= n <= len(tokens):
             return (f"request {rid}: drafted after {n} tokens, but it has a {plen}-token prompt and "
@@ -43,6 +43,6 @@ def check_drafts(trace, prompts: dict[str, list[int]], max_tokens: dict[str, int
         room = min(k, max_tokens[rid] - (n - plen) - 1, max_model_len - n)
         want = ngram_rule(tokens[:n], room)
         if draft != want:
-            return (f"request {rid}, proposal {step}: after {n} tokens (room {room}) it drafted {draft}, "
+            return (f"request {rid}, proposal {i}: after {n} tokens (room {room}) it drafted {draft}, "
                     f"the n-gram rule gives {want}")
     return None
