@@ -37,7 +37,7 @@ def _ulps(a, b) -> int:
 
 def variants(case) -> dict:
     """name -> a Case that differs from the Case's plain form in that one thing."""
-    from fuzz.case import Case, Workload
+    from fuzz.cases.case import Case, Workload
     from fuzz.verdict.derived import alone_config
 
     cfg = case.config
@@ -126,7 +126,7 @@ def tp_rounding(rows: int = 4096, seed: int = 0) -> dict:
     the outputs whose float64 sums differ and those whose float32 roundings do."""
     from engine.model import linear
     from engine.weights import layer_names, make_state_dict
-    from fuzz.strategies import FUZZ_MODEL
+    from fuzz.cases.strategies import FUZZ_MODEL
 
     sd, n = make_state_dict(FUZZ_MODEL), layer_names(0)
     g = torch.Generator().manual_seed(seed)
@@ -145,7 +145,7 @@ def tp_rounding(rows: int = 4096, seed: int = 0) -> dict:
 
 
 def main(argv=None) -> int:
-    from fuzz.strategies import DEFAULT_LAYOUTS, FUZZ_MODEL, cases
+    from fuzz.cases.strategies import DEFAULT_LAYOUTS, FUZZ_MODEL, cases
     from fuzz.verdict.harness import Harness
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -26,7 +26,7 @@ def _cell(args) -> list[dict]:
     layout, mode, dtype, n, device, backend, s = args
     s = s * 1000 + zlib.crc32(f"{layout}/{mode}".encode()) % 1000  # other Cases in every cell
     from fuzz.verdict.harness import Harness
-    from fuzz.strategies import FUZZ_MODEL, cases
+    from fuzz.cases.strategies import FUZZ_MODEL, cases
 
     h = Harness(4)
     base = FUZZ_MODEL.replace(dtype=dtype, device=device, attention_backend=backend)

@@ -38,7 +38,7 @@ CUDA_CELLS = (("tp1pp1", "eager", "cuda"), ("tp1pp1", "graph", "cuda"), ("tp2pp4
 
 
 def _base(where: str):
-    from fuzz.strategies import FUZZ_MODEL
+    from fuzz.cases.strategies import FUZZ_MODEL
 
     if where == "gloo":
         return FUZZ_MODEL.replace(world="torch")
@@ -186,7 +186,7 @@ def _precision_margins(quick: bool, progress: bool) -> list[dict]:
     """The logits check's margin per half dtype: clean runs' largest error/tolerance beside
     each fault's (its committed minimal reproducer replayed in that dtype)."""
     from bench.margin import measure_margin
-    from fuzz.strategies import FUZZ_MODEL
+    from fuzz.cases.strategies import FUZZ_MODEL
 
     margins = [measure_margin(FUZZ_MODEL.replace(dtype=d), examples=2 if quick else 6)
                for d in ("bfloat16", "float16")]

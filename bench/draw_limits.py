@@ -1,10 +1,10 @@
-"""Share of drawn Cases that reach each config limit (fuzz.limits.LIMITS), as JSON.
+"""Share of drawn Cases that reach each config limit (fuzz.cases.limits.LIMITS), as JSON.
 
     python bench/draw_limits.py [--cases 2000] [--seed 0] [--out FILE]
 
-Draws `--cases` Cases with the campaign's strategy (`fuzz.strategies.cases`, every layout,
+Draws `--cases` Cases with the campaign's strategy (`fuzz.cases.strategies.cases`, every layout,
 eager and graph) under a fixed Hypothesis seed, runs none of them, and counts per limit the
-Cases that reach it (`fuzz.limits.limits_reached`, the function whose names the strategies
+Cases that reach it (`fuzz.cases.limits.limits_reached`, the function whose names the strategies
 label with event("limit: ...") and a campaign counts per cell). Also: the share of Cases in the
 class the prefix_hit_mid_block_counted_full fault needs (`mid_block_prefix_class`), and the
 drawing time per Case.
@@ -22,8 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
 
-from fuzz.limits import LIMITS, limits_reached, mid_block_prefix_class  # noqa: E402
-from fuzz.strategies import DEFAULT_LAYOUTS, IMPLEMENTED_MODES, cases  # noqa: E402
+from fuzz.cases.limits import LIMITS, limits_reached, mid_block_prefix_class  # noqa: E402
+from fuzz.cases.strategies import DEFAULT_LAYOUTS, IMPLEMENTED_MODES, cases  # noqa: E402
 
 
 def draw_cases(n: int, seed_: int) -> list:

@@ -4,7 +4,7 @@ spread over the cells (`llmfuzz selftest` time to detection mixes both).
 
     python bench/fault_case_rate.py --fault F [--layout tp1pp1] [--mode eager] [--cases 80] [--chunk K]
 
-Cases are drawn from fuzz.strategies.cases, each checked once by the harness with the fault
+Cases are drawn from fuzz.cases.strategies.cases, each checked once by the harness with the fault
 on. Without --chunk: one derandomized Hypothesis run (the same Cases on every run of one tree;
 its draws lean to a few corners: on tp1pp2, 52 of 60 Cases drafted with n-gram). With
 --chunk K: as a campaign draws them, in Hypothesis runs of K examples, each with its own seed
@@ -23,7 +23,7 @@ from collections import Counter
 def main() -> None:
     from hypothesis import HealthCheck, Phase, given, seed, settings
 
-    from fuzz.strategies import cases
+    from fuzz.cases.strategies import cases
     from fuzz.verdict.harness import Harness
     from fuzz.verdict.properties import Violation
 

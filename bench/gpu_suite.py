@@ -18,7 +18,7 @@ import torch
 import fuzz.verdict.harness as harness_mod
 from fuzz import profiles
 from fuzz.campaign.loop import Campaign
-from fuzz.strategies import FUZZ_MODEL
+from fuzz.cases.strategies import FUZZ_MODEL
 
 CELLS = (("tp1pp1", "eager"), ("tp1pp1", "graph"), ("tp1pp2", "eager"), ("tp1pp2", "graph"),
          ("tp2pp4", "eager"), ("tp1pp8", "eager"), ("tp1pp8", "graph"))

@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from fuzz.verdict.harness import Harness
-from fuzz.strategies import FUZZ_MODEL, cases
+from fuzz.cases.strategies import FUZZ_MODEL, cases
 
 CELLS = (("tp1pp1", "graph"), ("tp2pp1", "eager"), ("tp1pp2", "eager"), ("tp1pp2", "graph"),
          ("tp2pp4", "eager"), ("tp1pp8", "graph"), ("tp4pp2", "eager"))

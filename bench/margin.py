@@ -19,7 +19,7 @@ CLEAN_CELLS = (("tp1pp1", "eager"), ("tp2pp2", "eager"), ("tp1pp3", "graph"), ("
 
 
 def clean_max_ratio(harness, base, examples: int, s: int = 0) -> float:
-    from fuzz.strategies import cases
+    from fuzz.cases.strategies import cases
 
     worst = [0.0]
     for i, (layout, mode) in enumerate(CLEAN_CELLS):
@@ -35,7 +35,7 @@ def clean_max_ratio(harness, base, examples: int, s: int = 0) -> float:
 
 def fault_ratios(harness, base) -> dict:
     """fault -> {"property", "oracle", "ratio"} of its minimal reproducer in base's dtype."""
-    from fuzz.case import Case
+    from fuzz.cases.case import Case
     from fuzz.verdict.properties import Violation
     from fuzz.campaign.reproduce import load_reproducer
 

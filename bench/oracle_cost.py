@@ -1,6 +1,6 @@
 """What the oracles cost: seconds per `Harness.check` on the same Cases, this tree vs another.
 
-Uses only the API every version has (`Harness().check(case)`, `fuzz.strategies.cases`), so
+Uses only the API every version has (`Harness().check(case)`, `fuzz.cases.strategies.cases`), so
 the same script measures an older checkout: run it twice and compare,
 
     python bench/oracle_cost.py > new.json
@@ -22,7 +22,7 @@ CELLS = (("tp1pp1", "eager"), ("tp1pp1", "graph"), ("tp2pp4", "eager"), ("tp1pp8
 
 
 def draw(layout: str, mode: str, n: int, base, s: int) -> list:
-    from fuzz.strategies import cases
+    from fuzz.cases.strategies import cases
 
     out = []
 
@@ -44,7 +44,7 @@ def main() -> int:
     import fuzz.verdict.harness as harness_mod
     from fuzz.verdict.harness import Harness
     from fuzz.verdict.properties import Violation
-    from fuzz.strategies import FUZZ_MODEL
+    from fuzz.cases.strategies import FUZZ_MODEL
 
     base = FUZZ_MODEL.replace(dtype=a.dtype)
     h = Harness()

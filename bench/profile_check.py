@@ -54,7 +54,7 @@ def _profiled(fn):
 def profile_cell(layout: str, mode: str, n: int) -> dict:
     from engine.model_runner import GPUModelRunner
     from fuzz.verdict.harness import Harness
-    from fuzz.strategies import FUZZ_MODEL
+    from fuzz.cases.strategies import FUZZ_MODEL
 
     for name in ("prepare", "execute"):
         if not hasattr(getattr(GPUModelRunner, name), "__wrapped_by_profile__"):

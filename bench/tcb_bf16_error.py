@@ -5,7 +5,7 @@ data the black-box half-precision rule (fuzz.verdict.tolerance.BLACKBOX_HALF_RUL
 
     PYTHONPATH=$PWD python bench/tcb_bf16_error.py [--cases 40] [--out FILE]
 
-Cases: workloads drawn by the campaign's strategy (fuzz.strategies.workloads, derandomized)
+Cases: workloads drawn by the campaign's strategy (fuzz.cases.strategies.workloads, derandomized)
 on the target's model in bf16 with a 16-token budget (chunked prefill), checked by CBChecker:
 per oracle (the fp32 reference, transformers teacher-forced, each request alone) the
 largest |delta logprob| over the positions compared (each request up to its first greedy
@@ -23,8 +23,8 @@ import json
 def main() -> None:
     from hypothesis import HealthCheck, given, settings
 
-    from fuzz.case import Case
-    from fuzz.strategies import workloads
+    from fuzz.cases.case import Case
+    from fuzz.cases.strategies import workloads
     from fuzz.targets.transformers_cb.configs import CB_MODEL, CBOptions
     from fuzz.targets.transformers_cb.target import CBChecker
 

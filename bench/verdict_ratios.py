@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     from fuzz import profiles
-    from fuzz.strategies import DEFAULT_LAYOUTS, FUZZ_MODEL, IMPLEMENTED_MODES, cases
+    from fuzz.cases.strategies import DEFAULT_LAYOUTS, FUZZ_MODEL, IMPLEMENTED_MODES, cases
     from fuzz.verdict.harness import Harness
     from fuzz.verdict.properties import Violation
 

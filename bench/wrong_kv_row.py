@@ -8,10 +8,10 @@ caught). Not a registry fault: a measurement of the harness.
 import json
 
 import engine.custom_ops as co
-from fuzz.case import Case, RequestSpec, Workload
+from fuzz.cases.case import Case, RequestSpec, Workload
 from fuzz.verdict.harness import Harness
 from fuzz.verdict.properties import LogitsMismatch, check_logits
-from fuzz.strategies import FUZZ_MODEL, tokens_from_seed
+from fuzz.cases.strategies import FUZZ_MODEL, tokens_from_seed
 
 real = co.varlen_attention
 ON = [False]  # the bug is on in the test run only

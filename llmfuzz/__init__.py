@@ -19,7 +19,7 @@ Everything under `fuzz/` and `engine/` is internal and may change in any release
 from __future__ import annotations
 
 from llmfuzz._api import cases, check, check_protocol, replay
-from fuzz.case import Case
+from fuzz.cases.case import Case
 from fuzz.errors import BadInput
 from fuzz.targets.adapter import Completion, EngineTarget as Target, Request
 from fuzz.targets.runs import TargetFailure

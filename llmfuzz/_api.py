@@ -20,7 +20,7 @@ def cases(layouts="tp1pp1", modes="eager", max_requests: int = 8, sampling: bool
     and `modes` as lists or comma strings, e.g. "tp1pp1,tp2pp1" and "eager,graph";
     `max_requests` per workload; `sampling`: requests may carry SamplingParams; `dtype` of the
     model: float32 (default), bfloat16, float16; `base`: the EngineConfig drawn around)."""
-    from fuzz.strategies import DEFAULT_LAYOUTS, FUZZ_MODEL, MODES
+    from fuzz.cases.strategies import DEFAULT_LAYOUTS, FUZZ_MODEL, MODES
     from fuzz.targets.blackbox_target import blackbox_cases
 
     if not isinstance(max_requests, int) or max_requests < 1:
@@ -47,8 +47,8 @@ def check(target, case, out_dir: str | None = None):
 def check_protocol(target, case=None) -> None:
     """Check that `target` keeps the runner protocol on `case` (default: a two-request greedy
     Case on tp1pp1); raises AssertionError naming the first problem."""
-    from fuzz.case import Case, RequestSpec, Workload
-    from fuzz.strategies import FUZZ_MODEL
+    from fuzz.cases.case import Case, RequestSpec, Workload
+    from fuzz.cases.strategies import FUZZ_MODEL
     from fuzz.targets.protocol import check_protocol as _check
 
     if case is None:

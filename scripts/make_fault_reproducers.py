@@ -14,12 +14,12 @@ from dataclasses import replace
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.schedule import Schedule  # noqa: E402
-from fuzz.case import Case, RequestSpec, Workload  # noqa: E402
+from fuzz.cases.case import Case, RequestSpec, Workload  # noqa: E402
 from fuzz.verdict.harness import Harness  # noqa: E402
 from fuzz.verdict.properties import Violation  # noqa: E402
 from fuzz.campaign.reproduce import write_reproducer  # noqa: E402
 from fuzz.campaign.shrink import minimize  # noqa: E402
-from fuzz.strategies import FUZZ_MODEL  # noqa: E402
+from fuzz.cases.strategies import FUZZ_MODEL  # noqa: E402
 
 
 def R(n: int, max_tokens: int = 2, arrival: int = 0, tok: int = 1) -> RequestSpec:

@@ -4,8 +4,9 @@ Layers, lowest first; a module imports only its own layer's or lower ones:
 - engine/: imports nothing from the harness; `engine.outputs` holds the data-only contracts
   scheduler and runner both import, and the FA contract is a leaf (torch and the standard
   library only);
-- the harness's base: `fuzz.errors`, `fuzz.stop`, `fuzz.profiles` (leaves), `fuzz.case`,
-  `fuzz.limits`, `fuzz.strategies`, and `fuzz.targets.runs` (data-only: what a black-box target returns);
+- the harness's base: `fuzz.errors`, `fuzz.stop`, `fuzz.profiles` (leaves), `fuzz.cases` (the
+  Case, its limits and its strategies, in that order), and `fuzz.targets.runs` (data-only: what a
+  black-box target returns);
 - `fuzz.guard` (the FA guard, loaded into other engines: the contract and itself only) and
   `fuzz.report` (the standard library only);
 - `fuzz.verdict`, then `fuzz.targets`, then `fuzz.campaign`, then `fuzz.mutate` (beside
@@ -23,14 +24,15 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine", "fuzz", "bench", "llmfuzz")
 
 # Each layer of the harness and what it may import from engine/, fuzz/ and bench/ (prefixes).
-BASE = ("fuzz.errors", "fuzz.stop", "fuzz.profiles", "fuzz.case", "fuzz.limits", "fuzz.strategies", "fuzz.targets.runs")
+BASE = ("fuzz.errors", "fuzz.stop", "fuzz.profiles", "fuzz.cases", "fuzz.targets.runs")
 ALLOWED = {
     "fuzz.errors": (), "fuzz.stop": (), "fuzz.profiles": (),
     "fuzz.pytest_plugin": ("fuzz.profiles",),
-    "fuzz.case": ("engine", "fuzz.errors"),
-    "fuzz.limits": ("engine", "fuzz.case"),
-    "fuzz.strategies": ("engine", "fuzz.case", "fuzz.errors", "fuzz.limits"),
-    "fuzz.targets.runs": ("fuzz.case",),
+    "fuzz.cases": (),
+    "fuzz.cases.case": ("engine", "fuzz.errors"),
+    "fuzz.cases.limits": ("engine", "fuzz.cases.case"),
+    "fuzz.cases.strategies": ("engine", "fuzz.cases.case", "fuzz.errors", "fuzz.cases.limits"),
+    "fuzz.targets.runs": ("fuzz.cases.case",),
     "fuzz.guard": ("fuzz.guard", "engine.attention.fa_contract"),
     "fuzz.report": ("fuzz.report",),
     "fuzz.verdict": ("engine", "fuzz.verdict") + BASE,

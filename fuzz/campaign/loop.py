@@ -36,7 +36,7 @@ from fuzz.verdict.properties import Violation
 from fuzz.campaign.recorder import Recorder
 from fuzz.campaign.shrink_phase import Pending, Shrunk, ShrinkPhase, shrink_one
 from fuzz.stop import check_stop, clear_stop, stop_requested
-from fuzz.strategies import FUZZ_MODEL
+from fuzz.cases.strategies import FUZZ_MODEL
 from fuzz.campaign.summary import CellDatabase, CellStats, Failure, Summary
 from fuzz.targets.base import Cell, Target
 from fuzz.targets.reference import HarnessTarget

@@ -14,7 +14,7 @@ import re
 import tempfile
 from dataclasses import dataclass
 
-from fuzz.case import Case, CaseFormatError
+from fuzz.cases.case import Case, CaseFormatError
 
 REPRO_FORMAT = 1
 LLMFUZZ_VERSION = "0.1.0"

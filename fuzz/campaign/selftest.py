@@ -15,7 +15,7 @@ from fuzz.campaign.loop import Campaign
 from fuzz.verdict.engine_pool import pool_capacity_for
 from fuzz.verdict.isolated import make_harness
 from fuzz.stop import check_stop, clear_stop, stop_requested
-from fuzz.strategies import CAMPAIGN_ORDER, FUZZ_MODEL
+from fuzz.cases.strategies import CAMPAIGN_ORDER, FUZZ_MODEL
 
 # Once a fault is found, the seconds its failure is shrunk while finding (Hypothesis, then the
 # minimizer; the shrink phase goes on if it is not minimal yet), at least: without a bound,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Iterable
 
-from fuzz.case import Case, CaseFormatError
+from fuzz.cases.case import Case, CaseFormatError
 from fuzz.targets.simpler import candidates
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from hypothesis.database import ExampleDatabase
 
-from fuzz.limits import LIMITS
+from fuzz.cases.limits import LIMITS
 
 
 @dataclass
@@ -54,7 +54,7 @@ def reach_row(c: CellStats) -> dict:
     """What a row's passing Cases reached (HarnessTarget.record's notes; {} for a target that
     does not count them): the share of requests with sampling params, with random sampling
     and with penalties; the share of Cases with an abort and with a preemption; how many of
-    the config limits (fuzz.limits.LIMITS) some Case reached, and per limit the share of
+    the config limits (fuzz.cases.limits.LIMITS) some Case reached, and per limit the share of
     Cases that reached it."""
     n = c.notes
     cases, reqs = n.get("cases", 0), n.get("requests", 0)

@@ -65,7 +65,7 @@ def base_configs(args, several: bool = True) -> list:
     the campaign); prints one line naming the flash-attn entry point when flash_attn is one."""
     from engine.attention.selector import get_attn_backend_cls
     from engine.config import ConfigError
-    from fuzz.strategies import FUZZ_MODEL
+    from fuzz.cases.strategies import FUZZ_MODEL
 
     named = [k.strip() for k in (getattr(args, "attention_backend", None) or "").split(",") if k.strip()]
     try:
@@ -104,7 +104,7 @@ def oracles(args) -> frozenset[str]:
 
 
 def load(path: str):
-    from fuzz.case import CaseFormatError
+    from fuzz.cases.case import CaseFormatError
     from fuzz.campaign.reproduce import load_reproducer
 
     try:

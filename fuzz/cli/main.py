@@ -132,7 +132,7 @@ def _spread(args, cluster, jobs, layouts, bases, modes, shard, cells_total) -> i
 def _run_cells(args, base) -> tuple[list[str], list[str]]:
     """`run`'s layouts and modes, checked with its faults and budget."""
     from engine.faults import FAULTS
-    from fuzz.strategies import CAMPAIGN_ORDER, IMPLEMENTED_MODES
+    from fuzz.cases.strategies import CAMPAIGN_ORDER, IMPLEMENTED_MODES
 
     layouts = _parse_layouts(args.layouts, base) if args.layouts else list(CAMPAIGN_ORDER)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -173,7 +173,7 @@ def cmd_generate(args) -> int:
     import time
 
     from engine.llm_engine import LLMEngine
-    from fuzz.strategies import FUZZ_MODEL, tokens_from_seed
+    from fuzz.cases.strategies import FUZZ_MODEL, tokens_from_seed
 
     cfg = FUZZ_MODEL.replace(layout=args.layout) if args.layout else FUZZ_MODEL
     eng = LLMEngine(cfg)

@@ -43,7 +43,7 @@ def _positive(name: str, v: float) -> None:
 def _layouts(text: str) -> tuple[str, ...]:
     """--layouts as `llmfuzz run` reads it."""
     from engine.config import ConfigError, parse_layouts
-    from fuzz.strategies import FUZZ_MODEL
+    from fuzz.cases.strategies import FUZZ_MODEL
 
     try:
         return tuple(parse_layouts(text, FUZZ_MODEL))

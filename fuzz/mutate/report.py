@@ -35,7 +35,7 @@ def counts(rows: list[dict]) -> dict:
 
 def _survivor(plan, base: dict, m: Mutant, row: dict, diff: str) -> dict:
     """The first Case the silent mutant changed, as a reproducer (`llmfuzz replay` runs it)."""
-    from fuzz.case import Case
+    from fuzz.cases.case import Case
     from fuzz.campaign.reproduce import write_reproducer
 
     i = (row["differing_cases"] or row["fa_only_cases"])[0]

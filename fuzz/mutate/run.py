@@ -43,7 +43,7 @@ class Plan:
     budget_s: float
     jobs: int = 1
     num_cases: int = 24
-    layouts: tuple[str, ...] = ()  # () = the campaign's (fuzz.strategies.CAMPAIGN_ORDER)
+    layouts: tuple[str, ...] = ()  # () = the campaign's (fuzz.cases.strategies.CAMPAIGN_ORDER)
     out_dir: str = "reproducers/mutate"
     timeout_s: float | None = None  # None: from the baseline's time on the Cases
     progress: bool = True
@@ -73,7 +73,7 @@ def draw_cases(seed: int, k: int, layouts: tuple[str, ...] = ()) -> list[dict]:
     from hypothesis import HealthCheck, Phase, given, seed as hseed, settings
 
     from fuzz.campaign.loop import chunk_seed
-    from fuzz.strategies import CAMPAIGN_ORDER, cases
+    from fuzz.cases.strategies import CAMPAIGN_ORDER, cases
 
     layouts = tuple(layouts) or CAMPAIGN_ORDER
     per = -(-k // len(layouts))

@@ -87,7 +87,7 @@ class Result:
 def _campaign(spec: dict, res: Result) -> None:
     from fuzz import profiles
     from fuzz.campaign.loop import Campaign
-    from fuzz.strategies import CAMPAIGN_ORDER, FUZZ_MODEL
+    from fuzz.cases.strategies import CAMPAIGN_ORDER, FUZZ_MODEL
 
     profiles.load()  # `llmfuzz run`'s default Hypothesis profile (no deadline)
 
@@ -119,8 +119,8 @@ def main(spec_path: str, result_path: str) -> int:
         if spec.get("module"):
             importlib.import_module(spec["module"])
         from engine.llm_engine import LLMEngine
-        from fuzz.case import Case
-        from fuzz.strategies import FUZZ_MODEL
+        from fuzz.cases.case import Case
+        from fuzz.cases.strategies import FUZZ_MODEL
         from fuzz.verdict.harness import Harness
 
         stage = "startup"

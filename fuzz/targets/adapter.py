@@ -23,7 +23,7 @@ from typing import Any, Mapping, Sequence
 from engine.attention.fa_contract import FAInvariantError
 from engine.config import EngineConfig
 from engine.sample.sampling_params import DEFAULT as GREEDY, SamplingParams
-from fuzz.case import Case
+from fuzz.cases.case import Case
 from fuzz.targets.checkpoint import checkpoint_dir
 from fuzz.targets.runs import RequestResult, TargetFailure, TargetRun, signature
 

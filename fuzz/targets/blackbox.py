@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, replace
 
 from engine.config import EngineConfig
-from fuzz.case import Case, RequestSpec
+from fuzz.cases.case import Case, RequestSpec
 from fuzz.errors import BadInput
 from fuzz.verdict.compare import (CompareReport, RunMismatch, TeacherForcedReport, check_greedy, check_teacher_forced,
                                   compare_runs)

@@ -3,7 +3,7 @@ protocol in fuzz.targets.blackbox, checked by `BlackBoxChecker`, fuzzed by the n
 (`fuzz.campaign.loop.Campaign(target=BlackBoxTarget(...))`).
 
 - cells: one per layout, as our engine's (`blackbox_cases`: config and workload drawn by
-  fuzz.strategies, with sampling params where the runner takes them; no faults, aborts or
+  fuzz.cases.strategies, with sampling params where the runner takes them; no faults, aborts or
   harness schedules, which only our white-box harness can drive);
 - check: the checker's verdict; simpler: fuzz.targets.simpler's candidates;
 - a crash writes one reproducer per signature (found again in another cell: counted);
@@ -16,15 +16,15 @@ from dataclasses import replace
 
 from hypothesis import strategies as st
 
-from fuzz.case import Case, RequestSpec, Workload
-from fuzz.strategies import DEFAULT_LAYOUTS, FUZZ_MODEL, engine_configs, workloads
+from fuzz.cases.case import Case, RequestSpec, Workload
+from fuzz.cases.strategies import DEFAULT_LAYOUTS, FUZZ_MODEL, engine_configs, workloads
 from fuzz.targets.base import Cell, Target
 
 
 @st.composite
 def blackbox_cases(draw, layouts=DEFAULT_LAYOUTS, modes=("eager",), base=FUZZ_MODEL, max_requests: int = 8,
                    sampling: bool = False) -> Case:
-    """Cases a black box can run: our engine's configs and workloads (fuzz.strategies), with
+    """Cases a black box can run: our engine's configs and workloads (fuzz.cases.strategies), with
     sampling params when `sampling`; shrinks as they do."""
     cfg = draw(engine_configs(tuple(layouts), tuple(modes), base))
     return Case(cfg, draw(workloads(cfg, max_requests, sampling=sampling)))
@@ -38,7 +38,7 @@ def _on(template: Case):
 def config_cells(configs, name, max_requests: int = 8) -> list[Cell]:
     """One cell per planned config (`configs`: (EngineConfig, options) pairs, the options'
     `on(case)` making the Case the target's; `name(cfg, opts)`: the cell's name): Hypothesis
-    draws workloads (fuzz.strategies.workloads) on that config; `data` is the template Case
+    draws workloads (fuzz.cases.strategies.workloads) on that config; `data` is the template Case
     (the config and options the engine starts with)."""
     out = []
     for cfg, opts in configs:

@@ -30,7 +30,7 @@ class KernelCells(HarnessTarget):
         return list(self.bases)
 
     def cells(self) -> list[Cell]:
-        from fuzz.strategies import cases
+        from fuzz.cases.strategies import cases
 
         out = []
         for lay in self.layouts:

@@ -4,7 +4,7 @@ fails it would make every property's verdict meaningless, so each problem is nam
 """
 from __future__ import annotations
 
-from fuzz.case import Case
+from fuzz.cases.case import Case
 from fuzz.targets.runs import RequestResult, TargetRun
 
 

@@ -7,8 +7,8 @@ compared against.
 """
 from __future__ import annotations
 
-from fuzz.case import Case
-from fuzz.limits import limits_reached, mix_counts
+from fuzz.cases.case import Case
+from fuzz.cases.limits import limits_reached, mix_counts
 from fuzz.targets.base import Cell, Target
 from fuzz.targets.runs import RequestResult, TargetRun
 
@@ -32,7 +32,7 @@ class HarnessTarget(Target):
         self.base, self.max_requests = base, max_requests
 
     def cells(self) -> list[Cell]:
-        from fuzz.strategies import cases
+        from fuzz.cases.strategies import cases
 
         # The database key is the (layout, modes, faults) cell's repr: the nightly example
         # database holds its saved failures under it, so it must not change.
@@ -48,7 +48,7 @@ class HarnessTarget(Target):
         into shares, fuzz.campaign.summary.reach_row): prefix caching (Cases run with it, and
         prompt tokens looked up and found cached), async scheduling (Cases run with it, their
         steps run ahead of all steps), the sampling mix of their requests, aborts, preemptions
-        and the config limits each reached (fuzz.limits)."""
+        and the config limits each reached (fuzz.cases.limits)."""
         n = stats.notes
         case = getattr(verdict, "case", None)  # None: a verdict without one (test doubles)
         if case is not None:
@@ -116,7 +116,7 @@ class ReferenceRunner:
         """Low-precision noise of `case` in logprobs (fuzz.verdict.tolerance.BLACKBOX_HALF_RULES):
         our engine solo in the Case's dtype against float32, teacher-forced on the reference's
         tokens."""
-        from fuzz.case import reference_config
+        from fuzz.cases.case import reference_config
         from fuzz.verdict.tolerance import Tolerance
 
         forced = self.harness.reference(case).output_token_ids()

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the package stays light to import (the CLI imports it for --help)
-    from fuzz.case import Case, RequestSpec
+    from fuzz.cases.case import Case, RequestSpec
 
 Position = tuple[tuple[int, float], ...]  # top-k (token id, logprob), best first
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fuzz.case import Case
+from fuzz.cases.case import Case
 from fuzz.verdict.compare import CompareReport
 from fuzz.verdict.oracles.sampling import expected_distribution
 from fuzz.targets.runs import TargetRun

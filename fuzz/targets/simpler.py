@@ -10,7 +10,7 @@ from typing import Iterator
 from engine.config import ConfigError
 from engine.sample.sampling_params import DEFAULT as DEFAULT_SAMPLING
 from engine.schedule import Schedule
-from fuzz.case import Case, RequestSpec, Workload
+from fuzz.cases.case import Case, RequestSpec, Workload
 
 
 def _with_requests(case: Case, reqs: list[RequestSpec]) -> Case:

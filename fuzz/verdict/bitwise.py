@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from fuzz.case import Case
+from fuzz.cases.case import Case
 from fuzz.verdict.properties import Violation, aborted_ids
 
 # The guarantee a comparison with the reference can break (the Violation's oracle says

@@ -12,7 +12,7 @@ from dataclasses import replace
 from engine.config import EngineConfig
 from engine.sample.sampling_params import request_seed
 from engine.schedule import Schedule
-from fuzz.case import Case, RequestSpec, Workload, reference_config
+from fuzz.cases.case import Case, RequestSpec, Workload, reference_config
 
 DETERMINISM_ONE_IN = 20  # Cases, chosen by hash, that run twice (CPU), besides those below
 

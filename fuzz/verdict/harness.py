@@ -13,7 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from engine.llm_engine import Trace
-from fuzz.case import Case, RequestSpec, reference_config
+from fuzz.cases.case import Case, RequestSpec, reference_config
 from fuzz.verdict.bitwise import BATCH, check_bitwise, first_difference, reference_bitwise_due, reference_bitwise_skip
 from fuzz.verdict.derived import (alone_case, caching_off, other_schedule, prefix_twin_due, rescheduled,
                                   sampled_for_determinism)

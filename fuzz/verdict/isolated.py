@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-from fuzz.case import Case
+from fuzz.cases.case import Case
 from fuzz.verdict.harness import Verdict
 from fuzz.verdict.properties import CrashViolation, LivenessViolation, LogitsReport, Violation
 

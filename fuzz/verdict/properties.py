@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fuzz.case import Case
+from fuzz.cases.case import Case
 from fuzz.verdict.oracles import drafts as drafts_oracle, sampling as sampling_oracle
 from fuzz.verdict.tolerance import Tolerance
 from fuzz.verdict.invariants import FAInvariantError, check_varlen_args

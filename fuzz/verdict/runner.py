@@ -10,7 +10,7 @@ from engine.inproc_world import RankFailure
 from engine.kv_cache import KVAccountingError
 from engine.llm_engine import EngineInvariantError, LLMEngine, Trace
 from engine.schedule import Schedule
-from fuzz.case import Case, Workload
+from fuzz.cases.case import Case, Workload
 from fuzz.verdict.engine_pool import EnginePool
 from fuzz.verdict.invariants import FAInvariantError
 from fuzz.verdict.properties import CrashViolation, EngineViolation, FAViolation, LivenessViolation

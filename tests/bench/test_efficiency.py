@@ -6,7 +6,7 @@ import torch
 
 from bench.efficiency import Meter, RawModel
 from fuzz.verdict.oracles.solo import SoloOracle
-from fuzz.strategies import FUZZ_MODEL
+from fuzz.cases.strategies import FUZZ_MODEL
 
 
 def test_the_floor_is_a_forward_of_the_same_model():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLMEngine
-from fuzz.strategies import FUZZ_MODEL
+from fuzz.cases.strategies import FUZZ_MODEL
 
 # Three 12-token prompts under a 16-token budget: with pp2, microbatch 1 is still in flight
 # after the first step.

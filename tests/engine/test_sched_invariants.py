@@ -12,7 +12,7 @@ import torch
 from engine import EngineInvariantError, LLMEngine
 from engine.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from engine.sched_invariants import ScheduleLimits
-from fuzz.strategies import FUZZ_MODEL, tokens_from_seed
+from fuzz.cases.strategies import FUZZ_MODEL, tokens_from_seed
 
 OFF_BY_ONE = ("sched_max_num_seqs_off_by_one",)
 # tp1pp2, 2 seqs, budget 8: r0 and r1 (4 tokens each) fill microbatch 0; with the fault r2 is

@@ -12,7 +12,7 @@ from engine.attention.selector import get_attn_backend
 from engine.eagle import EagleProposer, make_draft_state_dict
 from engine.spec_decode import NgramProposer, verify_greedy
 from engine.weights import make_state_dict
-from fuzz.case import Case, Workload
+from fuzz.cases.case import Case, Workload
 from fuzz.verdict.properties import check_fa_records
 
 # Budget 16 < the longest prompt: chunked prefill. 4 layers split evenly over pp4.

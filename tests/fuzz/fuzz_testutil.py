@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from fuzz.case import Case
+from fuzz.cases.case import Case
 from fuzz.verdict.harness import Harness
 from fuzz.verdict.properties import LogitsMismatch, Violation
 

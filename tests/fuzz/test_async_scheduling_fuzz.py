@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, Phase, find, settings
 from engine.faults import ASYNC_PLACEHOLDER_NOT_REPLACED
 from engine.schedule import Schedule
 from fuzz.campaign.summary import CellStats, Summary
-from fuzz.case import Case, RequestSpec, Workload
-from fuzz.strategies import DEFAULT_LAYOUTS, FUZZ_MODEL, IMPLEMENTED_MODES, cases
+from fuzz.cases.case import Case, RequestSpec, Workload
+from fuzz.cases.strategies import DEFAULT_LAYOUTS, FUZZ_MODEL, IMPLEMENTED_MODES, cases
 from fuzz.targets.reference import HarnessTarget
 from fuzz.targets.simpler import candidates
 from fuzz.verdict.harness import Harness

@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, Phase, find, settings
 
 from engine.sample.sampling_params import SamplingParams, request_seed
 from fuzz.campaign.shrink import minimize_to_fixpoint
-from fuzz.case import ASYNC_FORMAT, PLAIN_FORMAT, REQUEST_FORMAT, Case, RequestSpec, Workload
-from fuzz.strategies import DEFAULT_LAYOUTS, FUZZ_MODEL, IMPLEMENTED_MODES, cases, tokens_from_seed
+from fuzz.cases.case import ASYNC_FORMAT, PLAIN_FORMAT, REQUEST_FORMAT, Case, RequestSpec, Workload
+from fuzz.cases.strategies import DEFAULT_LAYOUTS, FUZZ_MODEL, IMPLEMENTED_MODES, cases, tokens_from_seed
 from fuzz.targets.simpler import candidates
 from fuzz.verdict.derived import alone_case
 from fuzz.verdict.harness import Harness
@@ -98,7 +98,7 @@ def _draw(n: int) -> list[Case]:
 def test_an_abort_in_step_round_trips_as_format_8() -> None:
     """An abort that lands while its step runs: written only when set (format 8, which older
     llmfuzz refuses), said in the description, and dropped with the abort by the minimizer."""
-    from fuzz.case import IN_STEP_FORMAT
+    from fuzz.cases.case import IN_STEP_FORMAT
 
     case = _case()
     reqs = case.workload.requests

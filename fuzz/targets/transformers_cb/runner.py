@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 
-from fuzz.case import Case, RequestSpec
+from fuzz.cases.case import Case, RequestSpec
 from fuzz.targets.base import Unsupported
 from fuzz.targets.runs import RequestResult, TargetFailure, TargetRun, adapter_error, request_items, signature
 from fuzz.targets.transformers_cb.configs import CBOptions, cb_config, cell_name, process_spec

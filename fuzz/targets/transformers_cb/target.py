@@ -1,7 +1,7 @@
 """transformers continuous batching as a campaign target (`llmfuzz run --target
 transformers-cb`): the generic black-box checker (fuzz.targets.blackbox) on a CBRunner, one
 cell per planned config (fuzz.targets.transformers_cb.plan), visited in order, one worker
-each; Hypothesis draws workloads (`fuzz.strategies.workloads`: chunked prefill, arrivals
+each; Hypothesis draws workloads (`fuzz.cases.strategies.workloads`: chunked prefill, arrivals
 while others run, shared prefixes) as Cases with target "transformers-cb" and the config's
 options.
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from fuzz.case import Workload
+from fuzz.cases.case import Workload
 from fuzz.targets.base import Cell
 from fuzz.targets.blackbox import BlackBoxChecker, properties_for
 from fuzz.targets.blackbox_target import BlackBoxTarget, config_cells

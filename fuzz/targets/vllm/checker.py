@@ -29,7 +29,7 @@ measured between vLLM and the reference are ~1e-6 (see docs/vllm.md).
 """
 from __future__ import annotations
 
-from fuzz.case import Case, RequestSpec, Workload
+from fuzz.cases.case import Case, RequestSpec, Workload
 from fuzz.targets.blackbox import (BlackBoxChecker, BlackBoxVerdict, TargetBatchInvariance, TargetCrash, TargetGreedy,
                                    TargetHang, TargetSampling, TargetVsReference, TargetVsTransformers,
                                    logprob_tolerance, properties_for)

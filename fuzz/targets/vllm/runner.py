@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
-from fuzz.case import Case, RequestSpec
+from fuzz.cases.case import Case, RequestSpec
 from fuzz.targets.runs import (RequestResult, TargetFailure, TargetRun, package_path, parse_tracebacks, request_items,
                                signature)
 from fuzz.targets.vllm import launch

@@ -3,7 +3,7 @@ fuzz.campaign.reproduce need to fuzz a real vLLM (docs/vllm.md).
 
 - cells: one per planned config (`fuzz.targets.vllm.plan.campaign_configs`), visited
   in order (`sequential`), one engine each; Hypothesis draws workloads
-  (`fuzz.strategies.workloads` on the config) as Cases with target "vllm" and the config's
+  (`fuzz.cases.strategies.workloads` on the config) as Cases with target "vllm" and the config's
   options. An engine start costs ~40-120 s here, so Hypothesis's own shrinker is off (a
   crash would cost a restart per step): the minimizer shrinks within its deadline.
 - check: `VLLMChecker` (crash/hang, greedy, vs reference, vs transformers, batch invariance),
@@ -31,7 +31,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from fuzz.case import RequestSpec, Workload
+from fuzz.cases.case import RequestSpec, Workload
 from fuzz.targets.base import Cell, Target, Unsupported
 from fuzz.targets.vllm.configs import VLLMOptions, cell_name
 from fuzz.targets.vllm.launch import llm_kwargs, worker_env

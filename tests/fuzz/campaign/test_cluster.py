@@ -50,8 +50,8 @@ def test_a_lost_attempts_reproducer_is_a_failure(tmp_path) -> None:
     from fuzz.campaign.cluster import lost_failures
     from fuzz.campaign.reproduce import write_reproducer
     from fuzz.campaign.summary import Failure
-    from fuzz.case import Case, RequestSpec, Workload
-    from fuzz.strategies import FUZZ_MODEL
+    from fuzz.cases.case import Case, RequestSpec, Workload
+    from fuzz.cases.strategies import FUZZ_MODEL
 
     out = str(tmp_path / "out")
     files = {}

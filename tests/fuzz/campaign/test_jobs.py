@@ -69,8 +69,8 @@ def test_chunk_seed_is_the_same_in_every_process() -> None:
 
 
 def failure(out, requests: int = 2):
-    from fuzz.case import Case, RequestSpec, Workload
-    from fuzz.strategies import FUZZ_MODEL
+    from fuzz.cases.case import Case, RequestSpec, Workload
+    from fuzz.cases.strategies import FUZZ_MODEL
 
     case = Case(FUZZ_MODEL.replace(layout="tp1pp1"), Workload(tuple(RequestSpec((1,) * (i + 1), 1)
                                                                      for i in range(requests))))
@@ -151,7 +151,7 @@ def test_merge_counts_a_failure_two_workers_report_once() -> None:
 
 
 def test_partition_balances_cost_and_shares_the_costliest() -> None:
-    from fuzz.strategies import CAMPAIGN_ORDER
+    from fuzz.cases.strategies import CAMPAIGN_ORDER
 
     lays = list(CAMPAIGN_ORDER)
     four = partition(lays, 4)
@@ -171,7 +171,7 @@ def test_partition_balances_cost_and_shares_the_costliest() -> None:
 
 
 def test_cpu_jobs_counts_torch_world_rank_processes() -> None:
-    from fuzz.strategies import CAMPAIGN_ORDER
+    from fuzz.cases.strategies import CAMPAIGN_ORDER
 
     lays = list(CAMPAIGN_ORDER)
     assert cpu_jobs(16, lays) == 12 and cpu_jobs(4, lays) == 4  # in-process: a core per worker

@@ -96,7 +96,7 @@ def test_deal_fits_whenever_any_dealing_fits() -> None:
 
 
 def test_default_jobs_deals_gpus_by_memory_and_counts_ranks(monkeypatch) -> None:
-    from fuzz.strategies import CAMPAIGN_ORDER
+    from fuzz.cases.strategies import CAMPAIGN_ORDER
 
     lays, per = list(CAMPAIGN_ORDER), WORKER_GPU_BYTES
     asked: list[str] = []
@@ -140,7 +140,7 @@ def _place_ranks(monkeypatch, visible: list[str], layout: str) -> list[str]:
     import torch
 
     from engine.dist_worker_main import _device_for
-    from fuzz.strategies import FUZZ_MODEL
+    from fuzz.cases.strategies import FUZZ_MODEL
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: len(visible))
     monkeypatch.setattr(torch.cuda, "set_device", lambda dev: None)

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from engine.faults import FAULTS
-from fuzz.case import Case, RequestSpec, Workload
+from fuzz.cases.case import Case, RequestSpec, Workload
 from fuzz.verdict.harness import Harness
 from fuzz.verdict.properties import Violation
 from fuzz.campaign.reproduce import load_reproducer, message_kind, replay_verdict, write_reproducer
-from fuzz.strategies import FUZZ_MODEL
+from fuzz.cases.strategies import FUZZ_MODEL
 from fuzz_testutil import violation_on_fresh_engines
 
 ROOT = Path(__file__).resolve().parents[3]

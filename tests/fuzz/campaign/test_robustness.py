@@ -16,7 +16,7 @@ import time
 import pytest
 
 from fuzz.campaign.reproduce import load_reproducer
-from fuzz.strategies import FUZZ_MODEL
+from fuzz.cases.strategies import FUZZ_MODEL
 from fuzz.targets.vllm.process import descendants
 
 REPO = str(Path(__file__).resolve().parents[3])
@@ -208,7 +208,7 @@ def test_unwritable_output_prints_case_and_exits_3(tmp_path):
     assert r.returncode == 3, r.stderr[-2000:]
     assert "cannot write reproducer" in r.stderr
     line = r.stderr.split("the failing Case follows as JSON:\n", 1)[1].splitlines()[0]
-    from fuzz.case import Case
+    from fuzz.cases.case import Case
 
     assert Case.from_json(line).faults == ("pp_stale_new_token_ids",)
 

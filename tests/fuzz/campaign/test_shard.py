@@ -126,8 +126,8 @@ def test_a_sequential_targets_shard_draws_each_cell_as_the_whole_campaign(monkey
 
     from fuzz.campaign.jobs_worker import Share
     from fuzz.campaign.loop import Campaign
-    from fuzz.case import Case, RequestSpec, Workload
-    from fuzz.strategies import FUZZ_MODEL
+    from fuzz.cases.case import Case, RequestSpec, Workload
+    from fuzz.cases.strategies import FUZZ_MODEL
     from fuzz.targets.base import Cell, Target
     from fuzz_testutil import PASS
 

@@ -17,12 +17,12 @@ from hypothesis import HealthCheck, find, settings
 
 from engine.model_runner import GPUModelRunner
 from engine.schedule import Schedule
-from fuzz.case import Case, RequestSpec, Workload
+from fuzz.cases.case import Case, RequestSpec, Workload
 from fuzz.verdict.harness import Harness
 from fuzz.verdict.properties import LogitsMismatch, Violation
 from fuzz.targets.simpler import candidates
 from fuzz.campaign.shrink import minimize
-from fuzz.strategies import DEFAULT_LAYOUTS, FUZZ_MODEL, cases
+from fuzz.cases.strategies import DEFAULT_LAYOUTS, FUZZ_MODEL, cases
 
 BLOCK = FUZZ_MODEL.block_size
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 from fuzz.campaign.loop import Campaign
 from fuzz.campaign.summary import CellStats, Summary, all_cells, reach_row
-from fuzz.limits import LIMITS
+from fuzz.cases.limits import LIMITS
 from fuzz.report.render import job_summary_md, render_html
 from fuzz.targets.reference import HarnessTarget, tally
 
@@ -65,9 +65,9 @@ def test_reach_row_is_shares_of_the_rows_cases_and_requests() -> None:
 
 def test_report_shows_reach_per_cell() -> None:
     target, stats = HarnessTarget(CountingHarness()), CellStats(examples=1, seconds=1.0)
-    from fuzz.case import Case, RequestSpec, Workload
+    from fuzz.cases.case import Case, RequestSpec, Workload
     from engine.sample.sampling_params import SamplingParams
-    from fuzz.strategies import FUZZ_MODEL
+    from fuzz.cases.strategies import FUZZ_MODEL
 
     case = Case(FUZZ_MODEL.replace(enable_prefix_caching=True),
                 Workload((RequestSpec(tuple(range(60)), 4, sampling=SamplingParams(temperature=1.0)),

@@ -13,10 +13,10 @@ import pytest
 
 from engine.faults import FAULTS
 from engine.inproc_world import InProcWorld
-from fuzz.case import Case, RequestSpec, Workload
+from fuzz.cases.case import Case, RequestSpec, Workload
 from fuzz.cli.main import main
 from fuzz.campaign.reproduce import load_reproducer, write_reproducer
-from fuzz.strategies import FUZZ_MODEL
+from fuzz.cases.strategies import FUZZ_MODEL
 
 ROOT = Path(__file__).resolve().parents[3]
 SECTIONS = ("Failing case", "What was violated", "Reproduce with", "Minimize with")

@@ -14,7 +14,7 @@ from fuzz.cli import main as cli
 from fuzz.cli import common as cli_common
 from fuzz.errors import BadInput
 from fuzz.targets.kernels import KernelCells
-from fuzz.strategies import FUZZ_MODEL
+from fuzz.cases.strategies import FUZZ_MODEL
 from fuzz.campaign.summary import CellStats, Failure, Summary
 
 needs_no_package = pytest.mark.skipif(flash_attn_backend.probe() is not None,

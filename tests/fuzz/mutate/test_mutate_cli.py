@@ -24,7 +24,7 @@ def no_process(monkeypatch):
 @pytest.mark.parametrize("argv, words", [
     (["--target", "nope"], "unknown target 'nope'"),
     (["--paths", "engine/no_such_*.py"], "matches no .py file"),
-    (["--paths", "fuzz/case.py"], "outside the engine package"),
+    (["--paths", "fuzz/cases/case.py"], "outside the engine package"),
     (["--n", "0"], "--n: 0 mutants"),
     (["--budget-per-mutant", "-1"], "--budget-per-mutant"),
     (["--jobs", "0"], "--jobs"),

@@ -14,8 +14,8 @@ import pytest
 pytest.importorskip("torch")
 
 import llmfuzz  # noqa: E402
-from fuzz.case import Case, RequestSpec, Workload  # noqa: E402
-from fuzz.strategies import FUZZ_MODEL  # noqa: E402
+from fuzz.cases.case import Case, RequestSpec, Workload  # noqa: E402
+from fuzz.cases.strategies import FUZZ_MODEL  # noqa: E402
 from fuzz.targets.blackbox import BlackBoxChecker, properties_for  # noqa: E402
 from fuzz.targets.protocol import ProtocolError, check_protocol, check_structure  # noqa: E402
 from fuzz.targets.runs import RequestResult, TargetRun  # noqa: E402

@@ -12,11 +12,11 @@ import pytest
 from hypothesis import strategies as st
 
 from fuzz.campaign.loop import Campaign
-from fuzz.case import PLAIN_FORMAT, TARGET_FORMAT, Case, RequestSpec, Workload
+from fuzz.cases.case import PLAIN_FORMAT, TARGET_FORMAT, Case, RequestSpec, Workload
 from fuzz.verdict.properties import CrashViolation, LogitsMismatch
 from fuzz.campaign.reproduce import load_reproducer, write_reproducer
 from fuzz.campaign.shrink import minimize
-from fuzz.strategies import FUZZ_MODEL
+from fuzz.cases.strategies import FUZZ_MODEL
 from fuzz.targets.base import Cell, Target, Unsupported
 
 ROOT = Path(__file__).resolve().parents[3]

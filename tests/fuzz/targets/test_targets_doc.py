@@ -16,8 +16,8 @@ pytest.importorskip("torch")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 
 import llmfuzz  # noqa: E402
-from fuzz.case import Case, RequestSpec, Workload  # noqa: E402
-from fuzz.strategies import FUZZ_MODEL  # noqa: E402
+from fuzz.cases.case import Case, RequestSpec, Workload  # noqa: E402
+from fuzz.cases.strategies import FUZZ_MODEL  # noqa: E402
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "targets.md"
 QUICK = dict(deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 
 from fuzz.campaign.loop import Campaign
 from fuzz.cli import main as cli
-from fuzz.case import Case, RequestSpec, Workload
+from fuzz.cases.case import Case, RequestSpec, Workload
 from fuzz.targets.runs import TargetFailure
 from fuzz.targets.vllm import checker as vc
 from fuzz.targets.vllm.configs import (VLLM_LAYOUTS, VLLM_MODEL, VLLM_MODES, VLLMOptions, cell_name, parse_cell_name,

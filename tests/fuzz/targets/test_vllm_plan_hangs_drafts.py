@@ -207,7 +207,7 @@ def test_a_short_budget_picks_pairs_per_second_not_just_the_cheapest():
 def test_a_drafter_bug_has_one_signature_and_is_written_once_across_cells():
     """How the first draft differs names the bug, whatever the config: a second cell's draft
     mismatch of the same kind is a duplicate, not a second reproducer."""
-    from fuzz.case import Case, RequestSpec, Workload
+    from fuzz.cases.case import Case, RequestSpec, Workload
     from fuzz.targets.vllm.checker import VLLMDraft
     from fuzz.targets.vllm.drafts import mismatch_kind
     from fuzz.targets.vllm.target import VLLMTarget

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from fuzz.case import RequestSpec, Workload  # noqa: E402
+from fuzz.cases.case import RequestSpec, Workload  # noqa: E402
 from fuzz.targets.runs import TargetFailure  # noqa: E402
 from fuzz.targets.vllm.checker import VLLMChecker, VLLMDraft, vllm_case  # noqa: E402
 from fuzz.targets.vllm.configs import parse_cell_name  # noqa: E402

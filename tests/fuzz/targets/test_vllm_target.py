@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from fuzz.case import Case, RequestSpec, Workload  # noqa: E402
+from fuzz.cases.case import Case, RequestSpec, Workload  # noqa: E402
 from fuzz.verdict.compare import compare_runs  # noqa: E402
 from fuzz.targets.vllm.checker import VLLMChecker, VLLMCrash, vllm_case  # noqa: E402
 from fuzz.targets.vllm.configs import VLLM_MODEL  # noqa: E402

@@ -10,8 +10,8 @@ import torch
 
 from engine.input_batch import InputBatch
 from engine.schedule import Schedule
-from fuzz.case import Case, RequestSpec, Workload
-from fuzz.strategies import FUZZ_MODEL
+from fuzz.cases.case import Case, RequestSpec, Workload
+from fuzz.cases.strategies import FUZZ_MODEL
 from engine.input_prep import InputPreparer
 from fuzz.verdict.properties import FAViolation, decodes_first, padded_rows_null
 

@@ -10,9 +10,9 @@ import pytest
 
 import fuzz.verdict.harness as harness_mod
 from engine.schedule import Schedule
-from fuzz.case import Case, RequestSpec, Workload
+from fuzz.cases.case import Case, RequestSpec, Workload
 from fuzz.campaign.selftest import run_selftest
-from fuzz.strategies import FUZZ_MODEL, tokens_from_seed
+from fuzz.cases.strategies import FUZZ_MODEL, tokens_from_seed
 from fuzz.verdict.bitwise import BitwiseViolation, reference_bitwise_due
 from fuzz.verdict.derived import other_schedule
 from fuzz.verdict.harness import Harness

@@ -8,8 +8,8 @@ from hypothesis import given, settings, strategies as st
 
 from engine.schedule import Schedule
 from engine.spec_decode import NgramProposer
-from fuzz.case import Case, RequestSpec, Workload
-from fuzz.strategies import FUZZ_MODEL
+from fuzz.cases.case import Case, RequestSpec, Workload
+from fuzz.cases.strategies import FUZZ_MODEL
 from fuzz.verdict.oracles.drafts import ngram_rule
 from fuzz.verdict.properties import DraftViolation
 

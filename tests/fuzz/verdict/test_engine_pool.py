@@ -8,9 +8,9 @@ from collections import OrderedDict
 import pytest
 from hypothesis import HealthCheck, given, seed as hseed, settings
 
-from fuzz.case import reference_config
+from fuzz.cases.case import reference_config
 from fuzz.verdict.engine_pool import engine_config, pool_capacity_for
-from fuzz.strategies import CAMPAIGN_ORDER, FUZZ_MODEL, cases
+from fuzz.cases.strategies import CAMPAIGN_ORDER, FUZZ_MODEL, cases
 
 
 def engine_keys(layouts: tuple[str, ...], modes: tuple[str, ...], chunks: int, chunk: int = 8) -> list[str]:

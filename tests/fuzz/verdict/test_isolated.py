@@ -88,8 +88,8 @@ def test_make_harness_isolates_cuda_by_default_only():
 @pytest.mark.gpu
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
 def test_fatal_cuda_error_is_reported_and_the_next_case_runs_in_a_fresh_child():
-    from fuzz.case import Case, RequestSpec, Workload
-    from fuzz.strategies import FUZZ_MODEL
+    from fuzz.cases.case import Case, RequestSpec, Workload
+    from fuzz.cases.strategies import FUZZ_MODEL
 
     cfg = FUZZ_MODEL.replace(device="cuda", attention_backend="torch_flash", dtype="bfloat16")
     bad = Case(cfg, Workload((RequestSpec((127, 1, 2), 2, 0),)))

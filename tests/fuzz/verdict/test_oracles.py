@@ -15,12 +15,12 @@ import torch
 import engine.attention.reference as attn_ref
 import engine.model as model_mod
 import engine.llm_engine as llm_engine
-from fuzz.case import Case, RequestSpec, Workload
+from fuzz.cases.case import Case, RequestSpec, Workload
 from fuzz.verdict.derived import sampled_for_determinism
 from fuzz.verdict.harness import Harness
 from fuzz.verdict.oracles import ORACLES, UnknownOracle, parse_oracles
 from fuzz.verdict.properties import DeterminismViolation, LogitsMismatch
-from fuzz.strategies import FUZZ_MODEL, tokens_from_seed
+from fuzz.cases.strategies import FUZZ_MODEL, tokens_from_seed
 
 transformers = pytest.importorskip("transformers")
 

@@ -13,7 +13,7 @@ import pytest
 from fuzz.verdict import engine_pool
 from fuzz.verdict.engine_pool import POOL_GPU_BYTES, EnginePool, cuda_reserved_bytes, release_cuda_memory
 from fuzz.verdict.gpu_memory import CUDA_CONTEXT_BYTES, WORKER_GPU_BYTES
-from fuzz.strategies import FUZZ_MODEL
+from fuzz.cases.strategies import FUZZ_MODEL
 
 
 class Allocator:
@@ -148,7 +148,7 @@ def test_on_the_cpu_nothing_is_measured_or_released() -> None:
 
 def _graph_engines(n: int, layout: str = "tp1pp2"):
     """(config, drive) for `n` graph-mode CUDA engines of distinct configs and equal size."""
-    from fuzz.case import Case, RequestSpec, Workload
+    from fuzz.cases.case import Case, RequestSpec, Workload
     from fuzz.verdict.runner import drive
 
     base = FUZZ_MODEL.replace(device="cuda", layout=layout, dtype="bfloat16", attention_backend="torch_flash",

@@ -16,12 +16,12 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from engine.faults import FAULTS
 from engine.sample.sampling_params import SamplingParams
 from engine.schedule import Schedule
-from fuzz.case import Case, RequestSpec, Workload
+from fuzz.cases.case import Case, RequestSpec, Workload
 from fuzz.verdict.bitwise import BitwiseViolation
 from fuzz.verdict.harness import Harness
 from fuzz.verdict.properties import (DeterminismViolation, EngineViolation, FAViolation, CrashViolation,
                                      LivenessViolation, LogitsMismatch, SamplingViolation, check_determinism)
-from fuzz.strategies import FUZZ_MODEL, cases, tokens_from_seed
+from fuzz.cases.strategies import FUZZ_MODEL, cases, tokens_from_seed
 from fuzz_testutil import violation_on_fresh_engines
 
 # Examples per layout and mode: the heavy layouts (many rank threads on 2 cores) get fewer,

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fuzz.case import Case, RequestSpec, Workload, reference_config
+from fuzz.cases.case import Case, RequestSpec, Workload, reference_config
 from fuzz.verdict.harness import Harness
 from fuzz.verdict.properties import LogitsMismatch
-from fuzz.strategies import FUZZ_MODEL, tokens_from_seed
+from fuzz.cases.strategies import FUZZ_MODEL, tokens_from_seed
 from fuzz.verdict.tolerance import HALF_RULES, Tolerance, logits_tolerance
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from fuzz.case import Case, RequestSpec, Workload
+from fuzz.cases.case import Case, RequestSpec, Workload
 from fuzz.cli.main import main
 from fuzz.targets.transformers_cb.configs import CB_MODEL, CBOptions, cb_config, cell_name
 from fuzz.targets.transformers_cb.plan import cpu_plan, cuda_plan

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from fuzz.case import Case, RequestSpec, Workload
+from fuzz.cases.case import Case, RequestSpec, Workload
 from fuzz.targets.runs import TargetFailure
 from fuzz.targets.transformers_cb.configs import CB_MODEL, CBOptions
 

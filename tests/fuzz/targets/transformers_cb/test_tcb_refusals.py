@@ -7,7 +7,7 @@ import importlib.util
 
 import pytest
 
-from fuzz.case import Case, RequestSpec, Workload
+from fuzz.cases.case import Case, RequestSpec, Workload
 from fuzz.targets.base import Unsupported
 from fuzz.targets.runs import TargetFailure
 from fuzz.targets.transformers_cb.configs import CB_MODEL, CBOptions

@@ -9,7 +9,7 @@ import importlib.util
 
 import pytest
 
-from fuzz.case import Case, RequestSpec, Workload
+from fuzz.cases.case import Case, RequestSpec, Workload
 from fuzz.targets.transformers_cb.configs import CB_MODEL, CBOptions
 
 pytestmark = [pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers"),

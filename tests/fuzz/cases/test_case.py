@@ -12,9 +12,9 @@ from hypothesis import given, settings, strategies as st
 
 from engine.faults import FAULTS
 from engine.schedule import Schedule
-from fuzz.case import CASE_FORMAT, Case, CaseFormatError, RequestSpec, Workload
+from fuzz.cases.case import CASE_FORMAT, Case, CaseFormatError, RequestSpec, Workload
 from fuzz.campaign.reproduce import REPRO_FORMAT, load_reproducer, write_reproducer
-from fuzz.strategies import DEFAULT_LAYOUTS, FUZZ_MODEL, MODES, cases
+from fuzz.cases.strategies import DEFAULT_LAYOUTS, FUZZ_MODEL, MODES, cases
 
 
 def good_case() -> Case:
@@ -230,7 +230,7 @@ def test_prompt_lengths_draw_when_no_block_or_budget_edge_fits():
     the context, and the strategy must still draw (it raised, ending a vLLM campaign)."""
     from hypothesis import given, settings
 
-    from fuzz.strategies import FUZZ_MODEL, prompt_lengths
+    from fuzz.cases.strategies import FUZZ_MODEL, prompt_lengths
 
     cfg = FUZZ_MODEL.replace(block_size=128, max_num_batched_tokens=128, max_model_len=128, num_gpu_blocks=8)
     seen = []
@@ -247,7 +247,7 @@ def test_async_scheduling_is_written_only_when_on() -> None:
     """Async scheduling off (and a Schedule that never waits): the JSON of before, format 2.
     On, or a Schedule with async_wait: format 7, and it round-trips; the reference run is
     synchronous."""
-    from fuzz.case import ASYNC_FORMAT, reference_config
+    from fuzz.cases.case import ASYNC_FORMAT, reference_config
 
     plain = Case(FUZZ_MODEL, Workload((RequestSpec((1, 2, 3), 2),)))
     d = plain.to_dict()

@@ -18,8 +18,8 @@ from engine.config import EngineConfig, parse_layout
 from engine.poison import POISON_MODES
 from engine.sample.sampling_params import SamplingParams
 from engine.schedule import Schedule
-from fuzz.case import Case, RequestSpec, Workload
-from fuzz.limits import (AT_END, AT_END_MAX_LEN, FULL_BATCH, KV_POOL, MAX_SPEC_TOKENS, SPEC_K, TILE_ROWS, TINY_BUDGETS,
+from fuzz.cases.case import Case, RequestSpec, Workload
+from fuzz.cases.limits import (AT_END, AT_END_MAX_LEN, FULL_BATCH, KV_POOL, MAX_SPEC_TOKENS, SPEC_K, TILE_ROWS, TINY_BUDGETS,
                           full_batch, kv_pool, limits_reached, mid_block_plan, mid_block_prefix_class,
                           spec_tokens, tiny_budget)
 

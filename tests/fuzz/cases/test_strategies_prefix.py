@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, Phase, find, given, seed, settings
 from engine.schedule import Schedule
 from fuzz.campaign.shrink import minimize_to_fixpoint
 from fuzz.campaign.summary import CellStats, Summary
-from fuzz.case import PLAIN_FORMAT, PREFIX_FORMAT, Case, CaseFormatError, RequestSpec, Workload, reference_config
-from fuzz.strategies import DEFAULT_LAYOUTS, FUZZ_MODEL, IMPLEMENTED_MODES, cases, tokens_from_seed
+from fuzz.cases.case import PLAIN_FORMAT, PREFIX_FORMAT, Case, CaseFormatError, RequestSpec, Workload, reference_config
+from fuzz.cases.strategies import DEFAULT_LAYOUTS, FUZZ_MODEL, IMPLEMENTED_MODES, cases, tokens_from_seed
 from fuzz.targets.reference import HarnessTarget
 from fuzz.targets.simpler import candidates
 from fuzz.verdict import runner
@@ -265,7 +265,7 @@ def test_twin_passes_on_a_clean_case_and_reports_hits(harness) -> None:
     prefix = {k: stats.notes[k] for k in ("prefix_caching_cases", "prefix_queried_tokens", "prefix_hit_tokens")}
     assert prefix == {"prefix_caching_cases": 1, "prefix_queried_tokens": v.prefix_queried_tokens,
                       "prefix_hit_tokens": v.prefix_hit_tokens}
-    assert stats.notes["cases"] == 2  # both Cases counted in the row's reach (fuzz.limits)
+    assert stats.notes["cases"] == 2  # both Cases counted in the row's reach (fuzz.cases.limits)
     summary = Summary(cells={("tp1pp1", "eager"): stats})
     row = summary.to_json()["per_cell"]["tp1pp1/eager"]
     assert row["prefix_caching_cases"] == 1 and row["prefix_hit_rate"] == round(v.prefix_hit_rate, 3)

@@ -1,5 +1,5 @@
 """Config limits: which a Case reaches, its sampling and abort mix, and the choices the
-strategies (fuzz/strategies.py) draw to reach each limit exactly and one off.
+strategies (fuzz/cases/strategies.py) draw to reach each limit exactly and one off.
 
 Read from the Case alone (no run), so the strategies label what they draw with event() and a
 campaign counts it per cell (fuzz.targets.reference.HarnessTarget.record) with the same
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from engine.attention.reference import FA2_PAGED_TILE_Q
 from engine.config import EngineConfig
-from fuzz.case import RequestSpec, Workload
+from fuzz.cases.case import RequestSpec, Workload
 
 # engine/config.py accepts num_speculative_tokens within 1..8 (tests/fuzz/test_limits.py
 # checks that both ends still hold).
@@ -137,7 +137,7 @@ def mix_counts(requests) -> dict[str, int]:
             "requests_aborted": sum(r.abort_step is not None for r in requests)}
 
 
-# -- the choices the strategies draw to reach them (fuzz/strategies.py) ---------------------
+# -- the choices the strategies draw to reach them (fuzz/cases/strategies.py) ---------------------
 
 # Whether one request of a workload ends at max_model_len (prompt plus max_tokens) or one
 # short of it; "no" (the drawn lengths) shrinks first. The share of drawn Cases at each limit:

@@ -1,4 +1,4 @@
-"""fuzz/limits.py and the strategies' draws at config limits: which limits a Case reaches
+"""fuzz/cases/limits.py and the strategies' draws at config limits: which limits a Case reaches
 (exactly, and one off), that drawn Cases reach every one of them, the prefix_hit_mid_block
 fault's class, and that each choice of a limit shrinks away when it does not matter."""
 from __future__ import annotations
@@ -8,10 +8,10 @@ from hypothesis import HealthCheck, Phase, find, settings
 
 from engine.config import ConfigError, EngineConfig
 from engine.sample.sampling_params import SamplingParams
-from fuzz.case import Case, RequestSpec, Workload
-from fuzz.limits import (LIMITS, MAX_SPEC_TOKENS, full_batch, kv_demand, kv_pool, limits_reached,
+from fuzz.cases.case import Case, RequestSpec, Workload
+from fuzz.cases.limits import (LIMITS, MAX_SPEC_TOKENS, full_batch, kv_demand, kv_pool, limits_reached,
                          mid_block_prefix_class, mix_counts, spec_tokens, tiny_budget)
-from fuzz.strategies import DEFAULT_LAYOUTS, FUZZ_MODEL, IMPLEMENTED_MODES, cases, tokens_from_seed
+from fuzz.cases.strategies import DEFAULT_LAYOUTS, FUZZ_MODEL, IMPLEMENTED_MODES, cases, tokens_from_seed
 
 _FAST = dict(database=None, deadline=None, suppress_health_check=list(HealthCheck))
 
