@@ -14,6 +14,8 @@ from fuzz.cases.limits import LIMITS
 
 @dataclass
 class CellStats:
+    """One cell's row of the summary: what ran, for how long, what failed and why it stopped."""
+
     examples: int = 0
     seconds: float = 0.0
     engine_seconds: float = 0.0

@@ -38,14 +38,16 @@ def expected_draft(tokens: list[int] | tuple, n: int, k: int, min_n: int, max_n:
 
 @dataclass
 class DraftStats:
-    """Per cell: steps with a draft asked for, tokens drafted, tokens accepted."""
+    """Per cell: the drafts that differ from the rule (a few kept for the message; the first
+    one's `mismatch_kind` is the bug's signature), steps with a draft asked for, tokens
+    drafted, tokens accepted."""
 
+    examples: list = field(default_factory=list)
+    first_kind: str = ""
+    mismatches: int = 0
     proposals: int = 0
     drafted: int = 0
     accepted: int = 0
-    mismatches: int = 0
-    examples: list = field(default_factory=list)  # a few mismatches, for the message
-    first_kind: str = ""  # the first mismatch's `mismatch_kind`: the bug's signature
 
     def add(self, other: "DraftStats") -> None:
         self.proposals += other.proposals

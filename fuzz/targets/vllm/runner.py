@@ -43,10 +43,11 @@ from fuzz.targets.vllm.stacks import vllm_frames
 
 @dataclass
 class EngineStats:
+    """One config's engines: how often one started, the seconds that took, and how many ended
+    in a failure (a runner that saw none removes its own log directory)."""
+
     starts: int = 0
     startup_s: float = 0.0
-    runs: int = 0
-    run_s: float = 0.0
     failures: int = 0
 
 
@@ -288,7 +289,6 @@ class VLLMRunner:
                "requests": [{"id": rid, "prompt_token_ids": list(r.prompt_token_ids), "max_tokens": r.max_tokens,
                              "arrival_step": r.arrival_step} for rid, r in items]}
         log_offset = os.path.getsize(w.log_path)
-        t0 = time.perf_counter()
         try:
             w.proc.stdin.write((json.dumps(cmd) + "\n").encode())
             w.proc.stdin.flush()
@@ -298,8 +298,6 @@ class VLLMRunner:
         except BaseException:
             self._w = None
             raise
-        st.runs += 1
-        st.run_s += time.perf_counter() - t0
         if reply is None:
             self._w = None
             st.failures += 1
