@@ -30,6 +30,22 @@ def caching_off(case: Case) -> Case:
     return replace(case, config=case.config.replace(enable_prefix_caching=False))
 
 
+def reference_case(case: Case) -> Case:
+    """The reference run's Case (`reference_config`). A bug everywhere is in the reference run
+    too; the reference sees the test run's memory model: what a reset leaves in memory (poison)."""
+    return Case(reference_config(case.config), case.workload,
+                faults=case.faults if case.fault_scope == "everywhere" else (), poison=case.poison)
+
+
+def plain_twin(case: Case) -> Case:
+    """The Case's plain form in its own dtype: the reference's Case (tp1pp1, eager,
+    synchronous, plain decoding, no prefix caching, the same weights) computing in the test
+    run's dtype. What the half-precision bitwise check compares a tp1 run with
+    (fuzz.verdict.bitwise.TWIN)."""
+    ref = reference_case(case)
+    return replace(ref, config=ref.config.replace(dtype=case.config.dtype))
+
+
 def alone_config(cfg: EngineConfig) -> EngineConfig:
     """The config a random-sampling request runs alone with (`Harness.alone_noise`): the
     reference's, with a token budget and KV blocks that take any prompt in one step, so its

@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 
 from engine.llm_engine import Trace
 from fuzz.cases.case import Case, RequestSpec, reference_config
-from fuzz.verdict.bitwise import BATCH, check_bitwise, first_difference, reference_bitwise_due, reference_bitwise_skip
-from fuzz.verdict.derived import (alone_case, caching_off, other_schedule, prefix_twin_due, rescheduled,
-                                  sampled_for_determinism)
+from fuzz.verdict.bitwise import (BATCH, TWIN, check_bitwise, first_difference, reference_bitwise_due,
+                                  reference_bitwise_skip, twin_bitwise_due)
+from fuzz.verdict.derived import (alone_case, caching_off, other_schedule, plain_twin, prefix_twin_due,
+                                  reference_case, rescheduled, sampled_for_determinism)
 from fuzz.verdict.engine_pool import EnginePool
 from fuzz.verdict.oracles import ORACLES
 from fuzz.verdict.oracles import hf
@@ -93,14 +94,14 @@ class Harness:
     def reference(self, case: Case, forced: dict[str, list[int]] | None = None) -> Trace:
         """The reference run of `case`; `forced`: requests teacher-forced on these tokens (a
         black-box target's sampled requests, fuzz.targets.blackbox)."""
-        cfg = reference_config(case.config)
-        # A bug everywhere is in the reference run too (and changes it: part of the key). The
-        # reference sees the test run's memory model: what a reset leaves in memory (poison).
-        ref_case = Case(cfg, case.workload, faults=case.faults if case.fault_scope == "everywhere" else (),
-                        poison=case.poison)
-        key = repr(cfg.to_dict()) + ref_case.to_json() + (repr(sorted(forced.items())) if forced else "")
+        return self._cached_run(reference_case(case), forced)
+
+    def _cached_run(self, case: Case, forced: dict[str, list[int]] | None) -> Trace:
+        """A run other Cases compare against (the reference, the plain twin), kept for the
+        next Case with the same workload (shrinking, Hypothesis's mutations)."""
+        key = repr(case.config.to_dict()) + case.to_json() + (repr(sorted(forced.items())) if forced else "")
         if key not in self.ref_cache:
-            trace = self._run(ref_case, forced)
+            trace = self._run(case, forced)
             # Only the reference's tokens and logits are compared against. Its FA records
             # (hundreds per Case, each holding small tensors) made this cache the largest
             # memory user of a long campaign: keep them out of it.
@@ -152,6 +153,9 @@ class Harness:
                 self.check_sampling(case, test, ref, forced, reports, skipped)
             if reference_bitwise_due(case):
                 check_bitwise(case, test, ref, BATCH)
+                reports["bitwise_invariance"] = True
+            elif twin_bitwise_due(case):
+                check_bitwise(case, test, self._cached_run(plain_twin(case), forced), TWIN)
                 reports["bitwise_invariance"] = True
             elif case.config.device == "cpu":
                 skipped["bitwise_invariance"] = reference_bitwise_skip(case)

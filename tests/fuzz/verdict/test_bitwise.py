@@ -13,8 +13,8 @@ from engine.schedule import Schedule
 from fuzz.cases.case import Case, RequestSpec, Workload
 from fuzz.campaign.selftest import run_selftest
 from fuzz.cases.strategies import FUZZ_MODEL, tokens_from_seed
-from fuzz.verdict.bitwise import BitwiseViolation, reference_bitwise_due
-from fuzz.verdict.derived import other_schedule
+from fuzz.verdict.bitwise import BitwiseViolation, reference_bitwise_due, twin_bitwise_due
+from fuzz.verdict.derived import other_schedule, plain_twin
 from fuzz.verdict.harness import Harness
 from fuzz.verdict.properties import DeterminismViolation
 
@@ -88,6 +88,38 @@ def test_split_k_by_batch_size_is_caught_bitwise_and_only_bitwise(harness, monke
     # Without the bitwise comparison every other check passes: its error is an ulp.
     monkeypatch.setattr(harness_mod, "reference_bitwise_due", lambda c: False)
     assert harness.check(case).oracles["reference"].ratio < 0.1
+
+
+def test_half_precision_runs_at_tp1_are_compared_with_their_plain_twin_bitwise() -> None:
+    bf16 = _case("tp1pp4", dtype="bfloat16", cudagraph_mode="FULL", capture_sizes=(4, 8),
+                 speculative_method="ngram", num_speculative_tokens=2, enable_prefix_caching=True)
+    assert twin_bitwise_due(bf16) and twin_bitwise_due(_case(dtype="float16"))
+    assert not twin_bitwise_due(_case("tp2pp1", dtype="bfloat16"))  # a split K rounds to another half
+    assert not twin_bitwise_due(_case())  # float32 has the reference itself
+    twin = plain_twin(bf16).config
+    assert (twin.layout, twin.cudagraph_mode, twin.speculative_method, twin.enable_prefix_caching,
+            twin.dtype) == ("tp1pp1", "NONE", "none", False, "bfloat16")
+
+
+@pytest.mark.parametrize("layout,mode", [("tp1pp2", "graph"), ("tp1pp1", "eager")])
+def test_clean_bf16_engine_equals_its_plain_twin_bitwise(harness, layout, mode) -> None:
+    graph = dict(cudagraph_mode="FULL", capture_sizes=(4, 8, 16)) if mode == "graph" else {}
+    v = harness.check(_case(layout, dtype="bfloat16", max_num_batched_tokens=5, enable_prefix_caching=True,
+                            speculative_method="ngram", num_speculative_tokens=2, **graph))
+    assert v.oracles["bitwise_invariance"] is True
+
+
+def test_split_k_by_batch_size_in_bf16_is_caught_by_the_plain_twin_only(harness, monkeypatch) -> None:
+    """In half precision the float32 reference cannot be compared bit for bit: without the
+    twin the split-K reduction passes every check (its error is an ulp of bf16)."""
+    case = _case(faults=("split_k_by_batch_size",), dtype="bfloat16")
+    with pytest.raises(BitwiseViolation) as ei:
+        harness.check(case)
+    assert (ei.value.property, ei.value.oracle) == ("bitwise_invariance", "plain twin")
+    assert "bitwise invariance broken against its plain twin in the same dtype" in ei.value.message
+    harness.check(dataclasses.replace(case, faults=()))
+    monkeypatch.setattr(harness_mod, "twin_bitwise_due", lambda c: False)
+    assert harness.check(case).oracles["reference"].ratio < 1.0
 
 
 def test_allreduce_arrival_order_is_caught_under_another_schedule_only(harness, monkeypatch) -> None:
