@@ -1,8 +1,9 @@
 """Which comparisons of clean fp32 CPU runs are bitwise equal, over drawn Cases.
 
 For each Case drawn by the campaign's strategy (all layouts, eager and graph), its test run
-is compared with its reference (tp1pp1 eager, same workload and budget) and with itself
-under another Schedule (`fuzz.verdict.derived.other_schedule`). Then one change at a time
+is compared with its reference (tp1pp1 eager, same workload and budget), with itself
+under another Schedule (`fuzz.verdict.derived.other_schedule`) and, in half precision, with
+its plain twin (the reference's config in the Case's dtype, `fuzz.verdict.derived.plain_twin`). Then one change at a time
 is made to its plain form (tp1pp1, eager, no speculation, no prefix caching, the Case's own
 Schedule) and that run compared with the reference: a TP degree, a PP degree, graph mode,
 speculative decoding, prefix caching, another token budget (other batch mixes and chunks),
@@ -68,7 +69,7 @@ def variants(case) -> dict:
 def measure_case(h, case, rows: dict) -> None:
     """Add this Case's comparisons to `rows` (name -> {"cases", "bitwise", "max_ulps", ...})."""
     from fuzz.verdict.bitwise import first_difference
-    from fuzz.verdict.derived import rescheduled
+    from fuzz.verdict.derived import plain_twin, rescheduled
     from fuzz.verdict.properties import Violation, aborted_ids
 
     ref = h.reference(case)
@@ -105,6 +106,10 @@ def measure_case(h, case, rows: dict) -> None:
     note("case vs reference, tp1" if case.config.tensor_parallel_size == 1 else "case vs reference, tp>1",
          test, ref, feats)
     note("case vs itself under another Schedule", test, run(rescheduled(case), forced), feats)
+    if case.config.dtype != "float32":  # the half-precision promise: the plain form in the same dtype
+        tp1 = case.config.tensor_parallel_size == 1
+        note("case vs its plain twin (same dtype), tp1" if tp1 else "case vs its plain twin (same dtype), tp>1",
+             test, run(plain_twin(case), forced), feats)
     for name, v in variants(case).items():
         if name == "alone":
             for rid, alone in v:
