@@ -8,7 +8,8 @@ Layers, lowest first; a module imports only its own layer's or lower ones:
   Case, its limits and its strategies, in that order), and `fuzz.targets.runs` (data-only: what a
   black-box target returns);
 - `fuzz.guard` (the FA guard, loaded into other engines: the contract and itself only) and
-  `fuzz.report` (the standard library only);
+  `fuzz.report` (the standard library only; the campaign bins its summary's error/tolerance
+  with the report's decades);
 - `fuzz.verdict`, then `fuzz.targets`, then `fuzz.campaign`, then `fuzz.mutate` (beside
   `bench/`), then `fuzz.cli` and `bench/`;
 - `llmfuzz/`, the public API, on top: it may import anything below; nothing imports it.
@@ -37,7 +38,7 @@ ALLOWED = {
     "fuzz.report": ("fuzz.report",),
     "fuzz.verdict": ("engine", "fuzz.verdict") + BASE,
     "fuzz.targets": ("engine", "fuzz.targets", "fuzz.verdict") + BASE,
-    "fuzz.campaign": ("engine", "fuzz.campaign", "fuzz.targets", "fuzz.verdict", "fuzz.guard") + BASE,
+    "fuzz.campaign": ("engine", "fuzz.campaign", "fuzz.targets", "fuzz.verdict", "fuzz.guard", "fuzz.report") + BASE,
     "fuzz.mutate": ("engine", "fuzz.mutate", "fuzz.campaign", "fuzz.targets", "fuzz.verdict") + BASE,
     "fuzz.cli": ("engine", "fuzz", "bench"),
     "bench": ("engine", "fuzz", "bench"),

@@ -143,11 +143,14 @@ def merge_reports(reports: list, *, budget_s: float, seed: int, target=None):
 
 
 def _add_row(into, row: dict) -> None:
+    from fuzz.campaign.summary import add_measured
+
     for k in ("examples", "seconds", "engine_seconds", "failures", "repeats"):
         setattr(into, k, getattr(into, k) + row[k])
     into.stopped = into.stopped or row["stopped"]
     into.unsupported = into.unsupported or row["unsupported"]
     into.known += row["known"]
+    add_measured(into, row)  # error/tolerance by decade, its maximum, dtype, case classes
     for k, v in row["notes"].items():  # a target's measurements: numbers add up, the rest is the first's
         if isinstance(v, (int, float)) and isinstance(into.notes.get(k, 0), (int, float)):
             into.notes[k] = into.notes.get(k, 0) + v

@@ -37,7 +37,7 @@ from fuzz.campaign.recorder import Recorder
 from fuzz.campaign.shrink_phase import Pending, Shrunk, ShrinkPhase, shrink_one
 from fuzz.stop import check_stop, clear_stop, stop_requested
 from fuzz.cases.strategies import FUZZ_MODEL
-from fuzz.campaign.summary import CellDatabase, CellStats, Failure, Summary
+from fuzz.campaign.summary import CellDatabase, CellStats, Failure, Summary, drawn_events, note_example
 from fuzz.targets.base import Cell, Target
 from fuzz.targets.reference import HarnessTarget
 
@@ -169,6 +169,8 @@ class Campaign(SequentialVisits):
             ratio = min(v.logits.ratio, 1e6)
             target(ratio, label="error/tolerance")
             self.target.record(cell, v)
+            if counted:  # the per-cell distribution a green run reports (how far from failing)
+                note_example(cell, ratio, getattr(getattr(case, "config", None), "dtype", None), drawn_events())
             self._passed[key] = ratio
         except Violation as v:
             self._seen(v)

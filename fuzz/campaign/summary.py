@@ -10,6 +10,7 @@ from typing import Any
 from hypothesis.database import ExampleDatabase
 
 from fuzz.cases.limits import LIMITS
+from fuzz.report.svg import DECADE_KEYS, decade_key, ratio_text
 
 
 @dataclass
@@ -25,6 +26,13 @@ class CellStats:
     known: list = field(default_factory=list)  # signatures of known failures met
     repeats: int = 0  # failures of a property the cell had already reported (not written again)
     notes: dict = field(default_factory=dict)  # what the target measured (Target.record, cell_done)
+    # Per example that passed (`note_example`): the dtype it ran in, its error/tolerance as a
+    # count per decade (fuzz.report.svg.DECADE_KEYS: a long run's ratios in a few numbers) and
+    # the largest, and the case classes its strategy labelled with event().
+    dtype: str = ""
+    ratio_hist: dict = field(default_factory=dict)
+    ratio_max: float | None = None
+    events: dict = field(default_factory=dict)
 
 
 def prefix_caching_row(c: CellStats) -> dict:
@@ -81,12 +89,71 @@ def all_cells(cells) -> CellStats:
     return total
 
 
+def drawn_events() -> list[str]:
+    """The event() labels of the example Hypothesis is running (its build context; none outside
+    a test). Hypothesis keeps them for its statistics only, hence the internal attribute."""
+    try:
+        from hypothesis.control import current_build_context
+
+        return list(current_build_context().data.events)
+    except Exception:  # outside a test, or a Hypothesis that keeps them elsewhere: no classes
+        return []
+
+
+# event() labels that are no case class: the cell itself (its key) and the config limits
+# (counted apart, `reach_row`).
+_NOT_CLASSES = ("layout=", "mode=", "limit: ")
+
+
+def note_example(c: CellStats, ratio: float | None, dtype: str | None, events=()) -> None:
+    """One example that passed, in its row: its error/tolerance, dtype and case classes."""
+    key = decade_key(ratio)
+    if key is not None:
+        c.ratio_hist[key] = c.ratio_hist.get(key, 0) + 1
+        c.ratio_max = ratio if c.ratio_max is None else max(c.ratio_max, ratio)
+    if dtype and dtype not in c.dtype.split(","):
+        c.dtype = ",".join(sorted(filter(None, c.dtype.split(",") + [dtype])))
+    for e in events:
+        if not e.startswith(_NOT_CLASSES):
+            c.events[e] = c.events.get(e, 0) + 1
+
+
+def add_measured(into: CellStats, row: dict) -> None:
+    """`note_example`'s fields of `row` (a CellStats' fields as a dict) added to `into`: counts
+    add up, the maximum is the larger. Rows written before these fields existed add nothing."""
+    for name in ("ratio_hist", "events"):
+        for k, n in (row.get(name) or {}).items():
+            getattr(into, name)[k] = getattr(into, name).get(k, 0) + n
+    m = row.get("ratio_max")
+    if m is not None:
+        into.ratio_max = m if into.ratio_max is None else max(into.ratio_max, m)
+    for d in (row.get("dtype") or "").split(","):
+        note_example(into, None, d)
+
+
+def _sig(x: float | None) -> float | None:
+    return None if x is None else float(f"{x:.3g}")
+
+
+def measured_row(c: CellStats) -> dict:
+    """A row's `note_example` fields for the summary JSON ({} where none was noted)."""
+    if not (c.ratio_hist or c.events or c.dtype):
+        return {}
+    return {"dtype": c.dtype or None, "error_ratio_max": _sig(c.ratio_max),
+            "error_ratio_hist": {k: c.ratio_hist[k] for k in DECADE_KEYS if c.ratio_hist.get(k)},
+            "events": dict(sorted(c.events.items()))}
+
+
 def _reach_cols(c: CellStats) -> str:
     p, a, r = prefix_caching_row(c), async_overlap_row(c), reach_row(c)
     limits = f"{r['limits_reached']}/{len(LIMITS)}" if r else "-"
     return (f"{_pct(p.get('prefix_hit_rate')):>6}{_pct(a.get('async_overlap')):>7}{_pct(r.get('sampling_share')):>6}"
             f"{_pct(r.get('random_sampling_share')):>6}{_pct(r.get('penalties_share')):>6}"
             f"{_pct(r.get('abort_share')):>6}{limits:>8}")
+
+
+def _max_col(v: float | None) -> str:
+    return f"{'-' if v is None else ratio_text(v):>9}"
 
 
 def _pct(v: float | None) -> str:
@@ -146,6 +213,9 @@ class Summary:
         if own is not None:
             return own
         total = all_cells(self.cells.values())
+        for c in self.cells.values():
+            add_measured(total, vars(c))
+        measured = measured_row(total)
         return {
             "examples": self.examples, "failures": len(self.failures),
             "layouts": sorted({k[0] for k in self.cells}), "modes": sorted({k[1] for k in self.cells}),
@@ -154,8 +224,11 @@ class Summary:
                                  if k not in ("cell", "meta") and (v or k != "others")} for f in self.failures],
             "per_cell": {f"{k[0]}/{k[1]}": {"examples": c.examples, "failures": c.failures,
                                              "examples_per_s": round(c.examples / c.seconds, 2) if c.seconds else None,
-                                             **prefix_caching_row(c), **async_overlap_row(c), **reach_row(c)}
+                                             **measured_row(c), **prefix_caching_row(c), **async_overlap_row(c),
+                                             **reach_row(c)}
                          for k, c in sorted(self.cells.items())},
+            # The campaign's error/tolerance and case classes: every row's added up.
+            **{k: measured[k] for k in ("error_ratio_max", "error_ratio_hist", "events") if k in measured},
             "reach": {**prefix_caching_row(total), **async_overlap_row(total), **reach_row(total)},
             "interrupted": self.interrupted, "write_errors": self.write_errors,
             "duplicates_skipped": self.duplicates, "jobs": self.jobs, "repeats": self.repeats,
@@ -171,13 +244,16 @@ class Summary:
         # Reach per row, in percent: prefix-cache hit rate (of looked-up prompt tokens, in Cases
         # with caching on); requests with sampling params, random sampling, penalties; Cases
         # with an abort; and how many config limits some Case reached (`reach_row`).
-        rows = [f"{'layout':<10}{'mode':<7}{'examples':>9}{'ex/s':>8}{'failures':>10}"
+        # `max e/t`: the largest error/tolerance of a row's passing examples (1 would violate).
+        rows = [f"{'layout':<10}{'mode':<7}{'examples':>9}{'ex/s':>8}{'failures':>10}{'max e/t':>9}"
                 f"{'hit%':>6}{'ahead%':>7}{'smp%':>6}{'rnd%':>6}{'pen%':>6}{'abrt%':>6}{'limits':>8}"]
         for (lay, mode), c in sorted(self.cells.items()):
             rate = f"{c.examples / c.seconds:.2f}" if c.seconds else "-"
-            rows.append(f"{lay:<10}{mode:<7}{c.examples:>9}{rate:>8}{c.failures:>10}{_reach_cols(c)}")
+            rows.append(f"{lay:<10}{mode:<7}{c.examples:>9}{rate:>8}{c.failures:>10}{_max_col(c.ratio_max)}"
+                        f"{_reach_cols(c)}")
+        worst = max((c.ratio_max for c in self.cells.values() if c.ratio_max is not None), default=None)
         rows.append(f"{'total':<17}{self.examples:>9}{self.examples / max(self.seconds, 1e-9):>8.2f}"
-                    f"{len(self.failures):>10}{_reach_cols(all_cells(self.cells.values()))}")
+                    f"{len(self.failures):>10}{_max_col(worst)}{_reach_cols(all_cells(self.cells.values()))}")
         return "\n".join(rows)
 
 

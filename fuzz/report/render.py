@@ -14,8 +14,11 @@ import json
 import re
 import sys
 
+from fuzz.report import green_html, tables
+from fuzz.report.green_html import campaign_ratio_html, classes_html, limits_html, mutate_html, ratio_cards
 from fuzz.report.svg import FAIL, OK, grouped_bar_svg, hbar_svg, histogram_svg  # noqa: F401 (re-exported)
-from fuzz.report.svg import num as _num
+from fuzz.report.svg import num as _num, ratio_text
+from fuzz.report.tables import Cell as _Cell, table as _table
 from fuzz.report.vllm_html import others_html, shards_html, vllm_html
 
 
@@ -35,31 +38,26 @@ REACH = (("prefix_hit_rate", "prefix hit %"), ("sampling_share", "sampling %"),
          ("abort_share", "abort %"), ("limits_reached", "limits reached"))
 
 
+# What a row's passing examples measured (fuzz.campaign.summary.measured_row; None where not recorded).
+MEASURED = ("error_ratio_max", "error_ratio_hist", "events")
+
+
 def cells(summary: dict) -> list[dict]:
-    """`per_cell` as rows {layout, mode, examples, examples_per_s, failures, limits and the
-    REACH keys (None where not recorded)}, layouts in scan order."""
+    """`per_cell` as rows {layout, mode, dtype, examples, examples_per_s, failures, limits, the
+    MEASURED and REACH keys (None where not recorded)}, layouts in scan order."""
     rows = []
     for key, c in (summary.get("per_cell") or {}).items():
         layout, _, mode = key.partition("/")
-        rows.append({"layout": layout, "mode": mode, "examples": c.get("examples", 0),
-                     "examples_per_s": c.get("examples_per_s"), "failures": c.get("failures", 0),
-                     "limits": c.get("limits") or {}, **{k: c.get(k) for k, _ in REACH}})
+        rows.append({"layout": layout, "mode": mode, "dtype": c.get("dtype") or summary.get("dtype"),
+                     "examples": c.get("examples", 0), "examples_per_s": c.get("examples_per_s"),
+                     "failures": c.get("failures", 0), "limits": c.get("limits") or {},
+                     **{k: c.get(k) for k in MEASURED}, **{k: c.get(k) for k, _ in REACH}})
     return sorted(rows, key=lambda r: (_layout_key(r["layout"]), r["mode"]))
 
 
 def _reach(r: dict) -> list[str]:
     """A row's REACH cells: shares as percent, the limit count as is, "–" where not recorded."""
     return [("–" if r[k] is None else str(r[k]) if k == "limits_reached" else f"{100 * r[k]:.0f}") for k, _ in REACH]
-
-
-def _limits_table(rows: list[dict]) -> str:
-    """Per config limit (rows) and cell (columns): the share of Cases that reached it, in percent."""
-    names = sorted({n for r in rows for n in r["limits"]})
-    if not names:
-        return ""
-    head = ["limit"] + [f"{r['layout']}/{r['mode']}" for r in rows]
-    body = [[n] + [_num(100 * r["limits"][n], 0) if n in r["limits"] else "0" for r in rows] for n in names]
-    return "<h2>Config limits reached (% of Cases)</h2>" + _table(head, body)
 
 
 def replay_command(path: str) -> str:
@@ -79,22 +77,13 @@ table{border-collapse:collapse;margin:8px 0}td,th{border:1px solid #ccc;padding:
 td:first-child,th:first-child,td.l{text-align:left}.bad{color:#c0392b;font-weight:bold}.good{color:#2e8b57}
 .banner{padding:8px 12px;border-radius:4px;font-weight:bold}.banner.bad{background:#fdecea}
 .banner.good{background:#e8f5e9}code,pre{background:#f4f4f4;padding:2px 4px}pre{padding:8px;white-space:pre-wrap}
-.failure{border-left:4px solid #c0392b;padding:4px 12px;margin:12px 0}.plot{margin:12px 0;overflow-x:auto}
-.note{color:#666}.path{font-family:monospace;font-size:11px;word-break:break-all;max-width:280px}"""
+.failure{border-left:4px solid #c0392b;padding:4px 12px;margin:12px 0}.plot{margin:12px 0}
+svg{max-width:100%;height:auto;display:block}
+.note{color:#666}.path{font-family:monospace;font-size:11px;word-break:break-all;max-width:280px}
+""" + tables.CSS + green_html.CSS
 
 
-class _Cell(str):
-    """A table cell that is already HTML (`<td ...>...</td>`); plain strings are escaped."""
-
-
-def _table(head: list[str], rows: list[list[str]]) -> str:
-    th = "".join(f"<th>{html.escape(c)}</th>" for c in head)
-    trs = "".join("<tr>" + "".join(c if isinstance(c, _Cell) else f"<td>{html.escape(c)}</td>" for c in r)
-                  + "</tr>" for r in rows)
-    return f"<table><tr>{th}</tr>{trs}</table>"
-
-
-def _campaign_html(summary: dict) -> list[str]:
+def _campaign_html(summary: dict, mutate: dict | None = None) -> list[str]:
     fails = summary.get("failure_details") or []
     n_fail = summary.get("failures", len(fails))
     out = [f'<p class="banner {"bad" if n_fail else "good"}">'
@@ -106,12 +95,20 @@ def _campaign_html(summary: dict) -> list[str]:
         [[str(summary.get("examples", 0)), _num(summary.get("seconds")), _num(rate),
           str(len(summary.get("layouts", []))), ", ".join(summary.get("modes", [])), str(n_fail),
           "yes" if summary.get("interrupted") else "no"]]))
+    out += mutate_html(mutate)
     rows = cells(summary)
     out.append("<h2>Per layout × mode</h2>" + _table(
         ["layout", "mode", "examples", "examples/s", "failures"] + [h for _, h in REACH],
         [[r["layout"], r["mode"], str(r["examples"]), _num(r["examples_per_s"]),
           _Cell(f'<td class="bad">{r["failures"]}</td>') if r["failures"] else "0"] + _reach(r) for r in rows]))
-    out.append(_limits_table(rows))
+    # How green: each cell's distance from failing, the case classes and limits its Cases reached.
+    ratios = campaign_ratio_html(summary)
+    out += [ratio_cards(rows), ratios]
+    out += classes_html(summary, rows)
+    if not ratios and not summary.get("events") and not any(r["events"] for r in rows):
+        out.append('<p class="note">Case classes and the error/tolerance distribution are not recorded in '
+                   "this summary.</p>")
+    out.append(limits_html(rows))
     groups = sorted({r["layout"] for r in rows}, key=_layout_key)
     series = sorted({r["mode"] for r in rows})
     flagged = {(r["layout"], r["mode"]) for r in rows if r["failures"]}
@@ -119,19 +116,6 @@ def _campaign_html(summary: dict) -> list[str]:
                              ("examples", "Examples run, layout × mode", "examples")):
         vals = {(r["layout"], r["mode"]): r[key] for r in rows}
         out.append(f'<div class="plot">{grouped_bar_svg(title, groups, series, vals, unit, flagged)}</div>')
-    events = summary.get("events")
-    if events:
-        erows = sorted(events.items(), key=lambda kv: (-kv[1], kv[0]))
-        out.append('<h2>Case classes covered</h2><div class="plot">' + hbar_svg(
-            "Examples per case class (event() labels)",
-            [(k, float(v), "#5a9e5a", str(v)) for k, v in erows], "examples") + "</div>")
-    ratios = summary.get("error_ratios")
-    if ratios:
-        out.append('<h2>Error / tolerance</h2><div class="plot">'
-                   + histogram_svg("Examples by error/tolerance (≥ 1 violates)", ratios) + "</div>")
-    if not events and not ratios:
-        out.append('<p class="note">Case classes and the error/tolerance distribution are not recorded in '
-                   "this summary.</p>")
     out.append("<h2>Failures</h2>")
     if not fails:
         out.append("<p>None.</p>")
@@ -195,22 +179,26 @@ def _selftest_html(st: dict) -> list[str]:
     return out
 
 
-def render_html(summary: dict | None, selftest: dict | None = None, title: str = "llmfuzz report") -> str:
+def render_html(summary: dict | None, selftest: dict | None = None, title: str = "llmfuzz report",
+                mutate: dict | None = None) -> str:
+    """The page; `mutate`: an `llmfuzz mutate --json` report, shown with a campaign's summary."""
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     body = [f"<h1>{html.escape(title)}</h1>", f'<p class="note">generated {now}</p>']
     if summary is not None:
-        body += vllm_html(summary) if summary.get("target") == "vllm" else _campaign_html(summary)
+        body += vllm_html(summary) if summary.get("target") == "vllm" else _campaign_html(summary, mutate)
     if selftest is not None:
         body += _selftest_html(selftest)
+    if summary is None:
+        body += mutate_html(mutate)
     return ('<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
             f"<title>{html.escape(title)}</title><style>{CSS}</style></head><body>\n"
             + "\n".join(body) + "\n</body></html>\n")
 
 
 def write_report(summary_json: dict | None, selftest_json: dict | None, out_html: str,
-                 title: str = "llmfuzz report") -> str:
+                 title: str = "llmfuzz report", mutate_json: dict | None = None) -> str:
     with open(out_html, "w", encoding="utf-8") as f:
-        f.write(render_html(summary_json, selftest_json, title))
+        f.write(render_html(summary_json, selftest_json, title, mutate_json))
     return out_html
 
 
@@ -236,10 +224,11 @@ def job_summary_md(summary: dict | None, selftest: dict | None = None, title: st
                   f"{summary.get('examples', 0)} examples in {_num(summary.get('seconds'))} s "
                   f"({_num(_rate(summary))}/s), {len(summary.get('layouts', []))} layouts × "
                   f"{', '.join(summary.get('modes', []))}" + (" (interrupted)" if summary.get("interrupted") else ""),
-                  "", "| layout | mode | examples | ex/s | failures | " + " | ".join(h for _, h in REACH) + " |",
-                  "|---|---|--:|--:|--:|" + "--:|" * len(REACH)]
+                  "", "| layout | mode | examples | ex/s | failures | " + " | ".join(h for _, h in REACH)
+                  + " | max error/tolerance |", "|---|---|--:|--:|--:|" + "--:|" * (len(REACH) + 1)]
         lines += [f"| {r['layout']} | {r['mode']} | {r['examples']} | {_num(r['examples_per_s'])} | "
-                  f"{r['failures']} | " + " | ".join(_reach(r)) + " |" for r in cells(summary)]
+                  f"{r['failures']} | " + " | ".join(_reach(r)) + f" | {ratio_text(r['error_ratio_max'])} |"
+                  for r in cells(summary)]
         if fails:
             lines += ["", "### Failures", ""]
             if download_hint:
@@ -285,6 +274,8 @@ def add_report_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("report", help="HTML report and Markdown summary from `run --json` / `selftest --json`")
     p.add_argument("summary", nargs="?", help="JSON printed by `llmfuzz run --json`")
     p.add_argument("--selftest", help="JSON printed by `llmfuzz selftest --json`")
+    p.add_argument("--mutate", help="JSON printed by `llmfuzz mutate --json` (its DIR/mutate.json): "
+                   "the mutation score, shown with the campaign")
     p.add_argument("--html", help="write the self-contained HTML page here")
     p.add_argument("--markdown", help="write the Markdown job summary here ('-' for stdout)")
     p.add_argument("--title", default="llmfuzz nightly")
@@ -302,11 +293,12 @@ def cmd_report(args) -> int:
             raise ValueError("give --html FILE and/or --markdown FILE")
         summary = _load_json(args.summary, "summary") if args.summary else None
         selftest = _load_json(args.selftest, "selftest") if args.selftest else None
+        mutate = _load_json(args.mutate, "mutate report") if args.mutate else None
     except ValueError as e:
         print(f"llmfuzz report: {e}", file=sys.stderr)
         return 2
     if args.html:
-        write_report(summary, selftest, args.html, args.title)
+        write_report(summary, selftest, args.html, args.title, mutate)
     if args.markdown:
         md = job_summary_md(summary, selftest, args.title, args.download_hint)
         if args.markdown == "-":

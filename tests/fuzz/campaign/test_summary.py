@@ -49,6 +49,38 @@ def test_a_short_campaign_reports_reach_per_cell_above_zero(tmp_path) -> None:
     table = s.table()
     assert "hit%" in table and "limits" in table.splitlines()[0]
     assert f"{total['limits_reached']}/{len(LIMITS)}" in table.splitlines()[-1]
+    # Each passing example's error/tolerance (0.1 here) in its row, by decade, with the max,
+    # the dtype it ran in and the case classes its strategy labelled (not its layout or mode).
+    for row in rows.values():
+        assert row["error_ratio_hist"] == {"1e-1": row["examples"]} and row["error_ratio_max"] == 0.1
+        assert row["dtype"] == "float32"
+        assert row["events"] and not any(k.startswith(("layout=", "mode=", "limit: ")) for k in row["events"])
+    assert doc["error_ratio_hist"] == {"1e-1": doc["examples"]}
+    assert "max e/t" in table.splitlines()[0] and all("1.0e-01" in line for line in table.splitlines()[1:])
+
+
+def test_rows_merged_from_workers_add_counts_and_keep_the_larger_max() -> None:
+    """`run --jobs` and `llmfuzz merge` add workers' rows up (jobs_worker.merge_reports); a
+    report written before the per-cell error/tolerance existed adds its counts only."""
+    from fuzz.campaign.jobs_worker import merge_reports
+    from fuzz.campaign.summary import note_example, summary_doc
+
+    docs = []
+    for ratios, dtype in (([0.0, 2e-3], "float32"), ([5e-3, 0.3, 0.0], "bfloat16")):
+        s = Summary(examples=len(ratios), seconds=1.0)
+        c = s.cells[("tp1pp1", "eager")] = CellStats(examples=len(ratios), seconds=1.0)
+        for r in ratios:
+            note_example(c, r, dtype, ["abort"])
+        docs.append(json.loads(json.dumps(summary_doc(s, None))))
+    old = json.loads(json.dumps(docs[0]))
+    for k in ("dtype", "ratio_hist", "ratio_max", "events"):
+        del old["cells"][0][1][k]
+    part = {"layouts": ["tp1pp1"], "stream": 0, "streams": 1}
+    merged, _ = merge_reports([(i, part, d) for i, d in enumerate(docs + [old])], budget_s=1.0, seed=0)
+    row = merged.to_json()["per_cell"]["tp1pp1/eager"]
+    assert row["examples"] == 7 and row["error_ratio_hist"] == {"0": 2, "1e-3": 2, "1e-1": 1}
+    assert row["error_ratio_max"] == 0.3 and row["dtype"] == "bfloat16,float32" and row["events"] == {"abort": 5}
+    assert "3.0e-01" in merged.table()
 
 
 def test_reach_row_is_shares_of_the_rows_cases_and_requests() -> None:

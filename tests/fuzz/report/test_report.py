@@ -135,6 +135,7 @@ def test_report_times_and_sizes_every_finding() -> None:
 
 
 def test_report_optional_sections(tmp_path) -> None:
+    """A summary with only campaign-wide case classes and a list of ratios (as older ones had)."""
     summary = campaign_json()
     summary["events"] = {"layout=tp1pp1": 22, "chunked prefill": 5, "non-default schedule": 9}
     summary["error_ratios"] = [0.0, 0.0, 1e-7, 3e-3, 0.4, 2.0, float("inf")]
@@ -142,7 +143,9 @@ def test_report_optional_sections(tmp_path) -> None:
     check_html(text)
     svgs = re.findall(r"<svg.*?</svg>", text, re.S)
     assert len(svgs) == 4
-    assert "chunked prefill" in svgs[2] and "error/tolerance" in svgs[3]
+    assert "error/tolerance" in svgs[0] and "chunked prefill" in svgs[1]
+    assert "campaign-wide: this summary records no case classes per cell" in text
+    assert "Error / tolerance per cell" not in text  # no per-cell counts to draw
     assert "Selftest" not in text
     only_selftest = render_html(None, selftest_json())
     check_html(only_selftest)
