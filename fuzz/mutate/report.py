@@ -27,7 +27,8 @@ def line_diff(source: str, m: Mutant) -> str:
 def counts(rows: list[dict]) -> dict:
     c = {s: sum(r["status"] == s for r in rows) for s in STATUSES}
     c["caught_by_timeout"] = sum(r["status"] == "caught" and str(r["caught_by"]).startswith("timeout") for r in rows)
-    c["silent_fa_only"] = sum(r["status"] == "silent" and r["observed_by"] == "fa_records" for r in rows)
+    # Survivors seen only in the second digest: FA records (reference engine) or schedule (vLLM).
+    c["silent_fa_only"] = sum(r["status"] == "silent" and r["observed_by"] not in (None, "outputs") for r in rows)
     c["observable"] = c["caught"] + c["silent"]
     c["mutants"] = len(rows)
     return c
@@ -40,7 +41,8 @@ def _survivor(plan, base: dict, m: Mutant, row: dict, diff: str) -> dict:
 
     i = (row["differing_cases"] or row["fa_only_cases"])[0]
     case = Case.from_dict(base["cases"][i])
-    what = "outputs" if row["observed_by"] == "outputs" else "FA call records (not its outputs)"
+    what = {"outputs": "outputs", "schedule": "schedule (engine steps; not its outputs)"}.get(
+        row["observed_by"], "FA call records (not its outputs)")
     msg = (f"mutant {m.file}:{m.line} {m.operator} ({m.original} -> {m.mutated}) changes this Case's "
            f"{what} bitwise, and the campaign passed it")
     # A directory per mutant: two survivors may differ first on the same Case (same file name).
@@ -73,7 +75,10 @@ def build(plan, base: dict, rows: list[tuple[Mutant, dict]], wall_s: float) -> d
         "timeout_s": plan.timeout_s, "jobs": plan.jobs, "num_cases": len(base["cases"]),
         "points_total": plan.points_total, "points_by_operator": plan.by_operator,
         "baseline": {"green": not camp["failures"], "cases_seconds": base["cases_seconds"],
-                     "campaign_examples": camp["examples"], "campaign_failures": camp["failures"]},
+                     "campaign_examples": camp["examples"], "campaign_failures": camp["failures"],
+                     # vLLM's only: the first engine start, the campaign's configs
+                     **{k: v for k, v in (("startup_seconds", base.get("startup_seconds")),
+                                          ("campaign_configs", camp.get("configs"))) if v is not None}},
         "counts": c, "score": _ratio(c["caught"], c["observable"]),
         "score_outputs": _ratio(c["caught"], c["observable"] - c["silent_fa_only"]),
         "wall_s": round(wall_s, 1), "mutants": entries,
@@ -85,8 +90,8 @@ def text(doc: dict) -> str:
     def fmt(x):
         return "n/a" if x is None else f"{x:.2f}"
     lines = [f"mutation score {fmt(doc['score'])} = caught {c['caught']} / observable {c['observable']} "
-             f"(outputs only: {fmt(doc['score_outputs'])}, {c['silent_fa_only']} survivor(s) differ in FA "
-             f"records alone)",
+             f"(outputs only: {fmt(doc['score_outputs'])}, {c['silent_fa_only']} survivor(s) differ in "
+             f"{'the schedule' if doc['target'] == 'vllm' else 'FA records'} alone)",
              f"  mutants {c['mutants']} (of {doc['points_total']} points in {len(doc['paths'])} files, seed "
              f"{doc['seed']}): caught {c['caught']} (by timeout {c['caught_by_timeout']}), silent {c['silent']}, "
              f"unobserved {c['unobserved']}, stillborn {c['stillborn']}, error {c['error']}",

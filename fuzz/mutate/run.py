@@ -12,6 +12,12 @@ unmutated copy of the package) and every mutant as `python -m fuzz.mutate.worker
   silent: observable and not caught (a survivor the campaign should have seen);
 - unobserved: neither (equivalent, as far as these Cases can tell);
 - error: the worker itself failed (not the engine): counted apart, never scored.
+
+`--target vllm` differs in its worker (fuzz.mutate.vllm_worker), its fixed Cases, what is
+digested and the timeout (fuzz.mutate.vllm); the classification is the same, the engine's
+schedule (its step count) standing where the FA records stand. vLLM's engines run in
+processes of their own sessions, so a mutant's processes are found by a tag in their
+environment (`TAG_ENV`), not by process group, and all are killed when it ends.
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ from fuzz.mutate.points import Mutant, MutationError, points
 from fuzz.mutate.sources import REPO_ROOT, Source, scratch_copy
 
 STARTUP_S = 60.0  # a process's imports and first engines, on a loaded two-core machine
+TAG_ENV = "LLMFUZZ_MUTANT_TAG"  # in the environment of every process of a mutant's run: its scratch dir
 
 
 @dataclass
@@ -97,14 +104,44 @@ def draw_cases(seed: int, k: int, layouts: tuple[str, ...] = ()) -> list[dict]:
 # CPython 3.11's ast.parse is not thread-safe ("AST constructor recursion depth mismatch",
 # seen with --jobs 2): applying a mutant parses its file, one thread at a time.
 _AST_LOCK = threading.Lock()
-LIVE: set[subprocess.Popen] = set()  # mutant processes running now, killed on a stop
+LIVE: dict[subprocess.Popen, str] = {}  # mutant processes running now (and their tags), killed on a stop
 
 
-def _kill(p: subprocess.Popen) -> None:
+def tagged(tag: str) -> list[int]:
+    """The live processes whose environment carries TAG_ENV=`tag` (Linux /proc; our own only)."""
+    needle = f"{TAG_ENV}={tag}".encode()
+    out = []
+    for d in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if d.isdigit() and int(d) != os.getpid():
+            try:
+                with open(f"/proc/{d}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0"):
+                        out.append(int(d))
+            except OSError:
+                continue
+    return out
+
+
+def _kill(p: subprocess.Popen, tag: str | None = None) -> None:
     try:
         os.killpg(p.pid, signal.SIGKILL)  # the worker and any rank processes it started
     except ProcessLookupError:
         pass
+    # What it started in sessions of their own (vLLM's engine processes and theirs), wherever
+    # they were re-parented to: each carries the mutant's tag.
+    for pid in tagged(tag) if tag else ():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def mutant_env(tmp: str, base: dict | None = None) -> dict:
+    """A mutant process's environment: the scratch copy first on PYTHONPATH, then this
+    repository (the harness), then what was there; the tag that finds its processes."""
+    base = dict(os.environ if base is None else base)
+    return {**base, "PYTHONPATH": os.pathsep.join([tmp, REPO_ROOT, base.get("PYTHONPATH", "")]),
+            "PYTHONDONTWRITEBYTECODE": "1", TAG_ENV: tmp}
 
 
 def run_worker(source: Source, mutant: Mutant | None, spec: dict, timeout_s: float) -> dict:
@@ -117,23 +154,24 @@ def run_worker(source: Source, mutant: Mutant | None, spec: dict, timeout_s: flo
         with open(spec_path, "w") as f:
             json.dump({**spec, "out_dir": os.path.join(tmp, "repro"), "parent_pid": os.getpid(), "scratch": tmp,
                        "package": source.package}, f)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([tmp, REPO_ROOT, os.environ.get("PYTHONPATH", "")]),
-               "PYTHONDONTWRITEBYTECODE": "1"}
+        env = mutant_env(tmp)
+        module = "fuzz.mutate.vllm_worker" if source.target == "vllm" else "fuzz.mutate.worker"
         t0 = time.monotonic()
         with open(log_path, "wb") as log:
             # cwd is the scratch directory too: `python -m` puts the cwd first on sys.path, ahead
             # of PYTHONPATH, so a cwd holding the original package would shadow the copy.
-            p = subprocess.Popen([sys.executable, "-m", "fuzz.mutate.worker", spec_path, result_path], cwd=tmp,
+            p = subprocess.Popen([sys.executable, "-m", module, spec_path, result_path], cwd=tmp,
                                  env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-            LIVE.add(p)
+            LIVE[p] = tmp
             try:
                 rc = p.wait(timeout=timeout_s)
                 timed_out = False
             except subprocess.TimeoutExpired:
-                _kill(p)
+                _kill(p, tmp)
                 rc, timed_out = p.wait(), True
             finally:
-                LIVE.discard(p)
+                LIVE.pop(p, None)
+                _kill(p, tmp)  # anything it left behind (a vLLM engine of a worker that crashed)
         try:
             with open(result_path) as f:
                 res = json.load(f)
@@ -142,6 +180,8 @@ def run_worker(source: Source, mutant: Mutant | None, spec: dict, timeout_s: flo
         with open(log_path, "rb") as f:
             res["log_tail"] = f.read()[-2000:].decode(errors="replace")
         res.update(rc=rc, timed_out=timed_out, seconds=round(time.monotonic() - t0, 2))
+        if res.get("stage") == "wrong_tree":  # the harness's fault, never the mutant's: an error
+            res["log_tail"] = f"{res.get('error')}\n{res['log_tail']}"
         return res
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -153,7 +193,8 @@ def classify(res: dict, base: dict) -> dict:
     differ = [i for i, (d, b) in enumerate(zip(digests, base["digests"])) if d["outputs"] != b["outputs"]]
     fa_only = [i for i, (d, b) in enumerate(zip(digests, base["digests"]))
                if d["outputs"] == b["outputs"] and d["fa"] != b["fa"]]
-    seen = "outputs" if differ else "fa_records" if fa_only else None
+    # What the second digest records: the FA calls (reference engine) or the schedule (vLLM's steps).
+    seen = "outputs" if differ else base.get("second", "fa_records") if fa_only else None
     # An engine error on a differing Case (an invariant, a crash): the check that would see it.
     raised = next((digests[i]["raised"] for i in differ if digests[i].get("raised")), None)
     out = {"differing_cases": differ, "fa_only_cases": fa_only, "observed_by": seen, "caught_by": None,
@@ -172,6 +213,26 @@ def classify(res: dict, base: dict) -> dict:
     return {**out, "status": "silent" if seen else "unobserved"}
 
 
+def plan_cases(plan: Plan) -> list[dict]:
+    """The fixed Cases every process runs, drawn once from the seed."""
+    if plan.source.target == "vllm":
+        from fuzz.mutate.vllm import draw_vllm_cases
+
+        return draw_vllm_cases(plan.seed, plan.num_cases)
+    return draw_cases(plan.seed, plan.num_cases, plan.layouts)
+
+
+def mutant_timeout(plan: Plan, base: dict) -> float:
+    """`--timeout`, else from the baseline's times (fuzz.mutate.vllm.timeout_s for vLLM)."""
+    if plan.timeout_s:
+        return plan.timeout_s
+    if plan.source.target == "vllm":
+        from fuzz.mutate.vllm import timeout_s
+
+        return timeout_s(plan.budget_s, base)
+    return plan.budget_s + 3 * base["cases_seconds"] + STARTUP_S
+
+
 def worker_spec(plan: Plan, module: str | None, cases: list[dict]) -> dict:
     return {"module": module, "cases": cases, "seed": plan.seed, "budget_s": plan.budget_s,
             "layouts": list(plan.layouts)}
@@ -184,15 +245,15 @@ def module_name(rel: str) -> str:
 
 def run_plan(plan: Plan, mutants: list[Mutant], log=lambda s: None) -> tuple[dict, list[tuple[Mutant, dict]]]:
     """The baseline's result and each mutant's (classified), in the order of `mutants`."""
-    cases = draw_cases(plan.seed, plan.num_cases, plan.layouts)
+    cases = plan_cases(plan)
     log(f"{len(cases)} Cases drawn; baseline (unmutated copy) running")
     base = run_worker(plan.source, None, worker_spec(plan, None, cases), plan.timeout_s or 3600.0)
     if base.get("stage") != "done" or base["timed_out"] or len(base["digests"]) != len(cases):
         raise RuntimeError(f"the unmutated engine's run did not finish (stage {base.get('stage')}):\n"
                            f"{base['log_tail'][-1500:]}")
     base["cases"] = cases
-    timeout = plan.timeout_s or plan.budget_s + 3 * base["cases_seconds"] + STARTUP_S
-    plan.timeout_s = round(timeout, 1)
+    base["second"] = "schedule" if plan.source.target == "vllm" else "fa_records"
+    plan.timeout_s = round(mutant_timeout(plan, base), 1)
     log(f"baseline: Cases {base['cases_seconds']:.0f}s, campaign {base['campaign']['examples']} examples, "
         f"{len(base['campaign']['failures'])} failures; per-mutant timeout {plan.timeout_s:.0f}s")
     results: list[dict | None] = [None] * len(mutants)
@@ -214,8 +275,9 @@ def run_plan(plan: Plan, mutants: list[Mutant], log=lambda s: None) -> tuple[dic
             fut.result()
     except BaseException:  # a stop (SIGINT/SIGTERM): no mutant starts or runs on
         pool.shutdown(wait=False, cancel_futures=True)
-        for p in list(LIVE):
-            _kill(p)
+        for p, tag in list(LIVE.items()):
+            _kill(p, tag)
+            shutil.rmtree(tag, ignore_errors=True)  # its thread's own clean-up may not run now
         raise
     pool.shutdown()
     return base, list(zip(mutants, results))

@@ -43,11 +43,13 @@ from fuzz.targets.vllm.stacks import vllm_frames
 
 @dataclass
 class EngineStats:
-    """One config's engines: how often one started, the seconds that took, and how many ended
-    in a failure (a runner that saw none removes its own log directory)."""
+    """One config's engines: how often one started and the seconds that took, the runs they
+    served (more runs than starts: an engine reused across Cases), and how many ended in a
+    failure (a runner that saw none removes its own log directory)."""
 
     starts: int = 0
     startup_s: float = 0.0
+    runs: int = 0
     failures: int = 0
 
 
@@ -78,6 +80,7 @@ class VLLMRunner:
         self.stats: dict[str, EngineStats] = {}
         self.starts: list[dict] = []  # per engine start: cell, seconds waited, import done before
         self.vllm_version: str | None = None
+        self.vllm_files: set = set()  # the vllm/__init__.py each started engine imported (llmfuzz mutate)
         self.deadline: float | None = None
         self.last_drafts: dict = {}  # the last run's n-gram drafts, by request (worker.py)
         self._w: _Worker | None = None
@@ -153,6 +156,7 @@ class VLLMRunner:
         if reply.get("event") != "ready":
             raise self._ended("startup", w, st, reply, 0)
         self.vllm_version = reply.get("vllm_version")
+        self.vllm_files.add(reply.get("vllm_file"))
         return w
 
     def ensure(self, cfg: EngineConfig, opts: VLLMOptions = VLLMOptions()) -> None:
@@ -298,6 +302,7 @@ class VLLMRunner:
         except BaseException:
             self._w = None
             raise
+        st.runs += 1
         if reply is None:
             self._w = None
             st.failures += 1

@@ -15,7 +15,7 @@ tracebacks from).
     vLLM is imported first and the spec is the first line of stdin (a pre-imported spare
     worker: the runner starts the next config's worker while the current one is fuzzed, so
     the ~7-16 s import of vLLM is off the critical path)
-    -> {"event": "ready", "startup_s": S, "import_s": S, "vllm_version": V}   or   {"event": "error", ...}
+    -> {"event": "ready", "startup_s": S, "import_s": S, "vllm_version": V, "vllm_file": F}   or   {"event": "error", ...}
     {"cmd": "run", "requests": [{"id", "prompt_token_ids", "max_tokens", "arrival_step"}],
      "logprobs": K, "prompt_logprobs": K or null}
     -> {"event": "result", "seconds": S, "steps": N,
@@ -156,8 +156,9 @@ def main() -> int:
     except BaseException as e:  # noqa: BLE001 - every start-up failure is reported
         reply(_error(e))
         return 3
+    # vllm_file: which vLLM tree this process imported (llmfuzz mutate checks it is the mutant's copy).
     reply({"event": "ready", "startup_s": time.perf_counter() - t0, "import_s": import_s,
-           "vllm_version": vllm.__version__})
+           "vllm_version": vllm.__version__, "vllm_file": vllm.__file__})
     for line in sys.stdin:
         if not line.strip():
             continue
