@@ -26,7 +26,7 @@ import sys
 import time
 import traceback
 
-from fuzz.mutate.worker import Result
+from fuzz.mutate.worker import Result, campaign_record
 
 
 def _under(path: str | None, root: str) -> bool:
@@ -77,11 +77,8 @@ def _campaign(spec: dict, runner, res: Result) -> None:
     if bad:
         res.save(stage="wrong_tree", error=bad)
         return
-    res.save(stage="done", campaign={
-        "examples": s.examples, "seconds": round(s.seconds, 2), "interrupted": s.interrupted,
-        "configs": [c.name for c in target.cells()], "engine_starts": len(runner.starts),
-        "failures": [{"property": f.property, "message": f.message[:500], "case": f.case_desc, "path": f.path,
-                      "oracle": f.oracle} for f in s.failures]})
+    res.save(stage="done", campaign=campaign_record(s, configs=[c.name for c in target.cells()],
+                                                    engine_starts=len(runner.starts)))
 
 
 def main(spec_path: str, result_path: str) -> int:

@@ -94,11 +94,14 @@ def _campaign(spec: dict, res: Result) -> None:
     camp = Campaign(layouts=list(spec.get("layouts") or CAMPAIGN_ORDER), modes=("eager", "graph"), seed=spec["seed"],
                     out_dir=spec["out_dir"], budget_s=spec["budget_s"], shrink_budget_s=0.0, shrink_s=0.0,
                     stop_on_failure=True, progress=False, base=FUZZ_MODEL)
-    s = camp.run()
-    res.save(stage="done", campaign={
-        "examples": s.examples, "seconds": round(s.seconds, 2), "interrupted": s.interrupted,
-        "failures": [{"property": f.property, "message": f.message[:500], "case": f.case_desc, "path": f.path,
-                      "oracle": f.oracle} for f in s.failures]})
+    res.save(stage="done", campaign=campaign_record(camp.run()))
+
+
+def campaign_record(s, **extra) -> dict:
+    """A mutant's campaign as RESULT keeps it: its size and each failure found."""
+    return {"examples": s.examples, "seconds": round(s.seconds, 2), "interrupted": s.interrupted, **extra,
+            "failures": [{"property": f.property, "message": f.message[:500], "case": f.case_desc, "path": f.path,
+                          "oracle": f.oracle} for f in s.failures]}
 
 
 def main(spec_path: str, result_path: str) -> int:
