@@ -18,6 +18,7 @@ from engine.config import EngineConfig, parse_layout
 from engine.poison import POISON_MODES
 from engine.sample.sampling_params import SamplingParams
 from engine.schedule import Schedule
+from fuzz.cases import drafting
 from fuzz.cases.case import Case, RequestSpec, Workload
 from fuzz.cases.limits import (AT_END, AT_END_MAX_LEN, FULL_BATCH, KV_POOL, MAX_SPEC_TOKENS, SPEC_K, TILE_ROWS, TINY_BUDGETS,
                           full_batch, kv_pool, limits_reached, mid_block_plan, mid_block_prefix_class,
@@ -188,10 +189,16 @@ def workloads(draw, cfg: EngineConfig, max_requests: int = 10, sampling: bool = 
     `sampling`: requests may have sampling params (`sampled_requests`; our engine's Cases:
     a target without them, vLLM's, draws the workloads it always drew). In one workload in four a
     request ends at max_model_len or one short (`at_end`); two in seven are filled up to
-    max_num_seqs requests arriving together, or one more (`full_batch`)."""
+    max_num_seqs requests arriving together, or one more (`full_batch`). With n-gram drafting,
+    two workloads in three get one or two requests whose drafts are accepted
+    (`drafting.add_requests`)."""
     # Drawn first and always, each shrinks off on its own: a request at max_model_len (which
-    # one: an index the workload's length wraps), a full batch.
+    # one: an index the workload's length wraps), a full batch, self-drafting requests (which
+    # prompts: a pick the stored ones wrap; they join n-gram Cases only, so a config shrunk to
+    # plain decoding moves no choice).
     end, which, fill = draw(st.sampled_from(AT_END)), draw(st.integers(0, max_requests - 1)), draw(st.sampled_from(FULL_BATCH))
+    drafted, pick = draw(st.sampled_from(drafting.REQUESTS)), draw(st.integers(0, 2 ** 16))
+    drafts_full, drafts_short = draw(st.sampled_from(drafting.FULL)), draw(st.integers(1, drafting.MAX_TOKENS))
     if draw(st.sampled_from((False, True, True, True) if cfg.enable_prefix_caching else (False,) * 3 + (True,))):
         wl = draw(shared_workloads(cfg, max_requests, sampling))
     else:
@@ -200,7 +207,10 @@ def workloads(draw, cfg: EngineConfig, max_requests: int = 10, sampling: bool = 
             salts = cache_salts(draw, cfg)
             reqs = [replace(r, cache_salt=draw(salts)) for r in reqs]
         wl = Workload(tuple(reqs))
-    return full_batch(at_end(wl, cfg, end, which), cfg, fill, max_requests)
+    # After at_end, which would lengthen or cut a stored prompt (and so change its continuation).
+    wl = drafting.add_requests(at_end(wl, cfg, end, which), cfg, drafted, pick, max_requests,
+                               drafting.MAX_TOKENS if drafts_full else drafts_short)
+    return full_batch(wl, cfg, fill, max_requests)
 
 
 def at_end(wl: Workload, cfg: EngineConfig, end: str, which: int) -> Workload:
@@ -379,6 +389,8 @@ def cases(draw, layouts=DEFAULT_LAYOUTS, modes=("eager",), faults: tuple[str, ..
         event("non-default schedule")
     if cfg.speculative_method != "none":
         event("speculative decoding")
+    if any(drafting.self_drafting(cfg, r) for r in wl.requests):
+        event("self-drafting request")
     if cfg.enable_prefix_caching:
         event("prefix caching")
     params = [r.sampling for r in wl.requests if r.sampling is not None]
