@@ -25,8 +25,8 @@ device=${TRIAGE_DEVICE:-cuda}  # cpu: a smoke test of this script (graphs and as
 py=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
     PYTHONFAULTHANDLER=1 PYTHONUNBUFFERED=1
-repros=(reproducers/transformers_cb/transformers_cb_batch_invariance/401dff3151eb.json
-        reproducers/transformers_cb/transformers_cb_vs_reference/510e0b1acbd6.json)
+repros=(reproducers/transformers_cb/unreproduced/transformers_cb_batch_invariance/401dff3151eb.json
+        reproducers/transformers_cb/unreproduced/transformers_cb_vs_reference/510e0b1acbd6.json)
 mkdir -p "$out"
 summary=$out/summary.txt
 : > "$summary"

@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[4]
 SCRIPTS = ROOT / "scripts"
-REPRO = ROOT / "reproducers" / "transformers_cb" / "transformers_cb_batch_invariance" / "401dff3151eb.json"
+REPRO = ROOT / "reproducers" / "transformers_cb" / "unreproduced" / "transformers_cb_batch_invariance" / "401dff3151eb.json"
 
 needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
 slow = pytest.mark.slow

@@ -2,7 +2,10 @@
 recorded on the installed transformers (`llmfuzz replay`: exit 1, the same crash signature).
 When the library fixes one, this test says so: drop the file and its entry in
 docs/transformers_cb.md. A reproducer recorded on CUDA is a `gpu` test (`pytest -m gpu` on a
-GPU host); its recorded transformers version is in the file."""
+GPU host); its recorded transformers version is in the file. Findings that did not reproduce
+when triaged (reproducers/transformers_cb/unreproduced/: wrong tokens seen only on a GPU shared
+with other processes, docs/findings/transformers_cb_cuda_wrong_tokens_triage.md) are kept as
+evidence, not asserted to fail; test_reproducer_file_layout still loads them."""
 from __future__ import annotations
 
 import importlib.util
@@ -14,7 +17,7 @@ import pytest
 from fuzz.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[4]
-FILES = sorted((ROOT / "reproducers" / "transformers_cb").glob("**/*.json"))
+FILES = sorted(p for p in (ROOT / "reproducers" / "transformers_cb").glob("**/*.json") if "unreproduced" not in p.parts)
 
 pytestmark = [pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers"),
               pytest.mark.slow]
