@@ -149,6 +149,8 @@ class KVCacheManager:
         self.req_to_block_hashes: dict[str, list[BlockHash]] = {}
         self.requests: dict = {}  # req_id -> Request, for the books' hash check
         self._expected_hashes: dict[str, list[BlockHash]] = {}
+        # Cached hash -> (a digest of the salt and tokens it was first held under, holder).
+        self._hash_content: dict[BlockHash, tuple[int, str]] = {}
         # Prefix-cache stats, per lookup as vLLM counts them (a request the pool cannot admit
         # yet is looked up again at its next try).
         self.num_queried_tokens = 0
@@ -273,6 +275,20 @@ class KVCacheManager:
                                            request.all_token_ids, salt)
             for i, b in enumerate(self.req_blocks.get(rid, ())):
                 h = self.pool.block_hash[b]
-                if h is not None and (i >= len(expected) or h != expected[i]):
+                if h is None:
+                    continue
+                if i >= len(expected) or h != expected[i]:
                     raise KVAccountingError(f"block {b} is cached under a hash that is not request {rid}'s "
                                             f"block {i} (another prefix or cache salt shares its KV)")
+                self._check_one_content_per_hash(h, b, rid, request, i)
+
+    def _check_one_content_per_hash(self, h: BlockHash, b: int, rid: str, request, i: int) -> None:
+        """A cached hash stands for one salt and one token prefix, whoever holds it, ever. Checked
+        by content, without any hashing: the re-derivation above shares extend_block_hashes with
+        the cache, so a scheme that drops the salt from some blocks passes it, and shows here once
+        two differently salted requests (or two prefixes) hold a block of one hash."""
+        content = hash((request.cache_salt, tuple(request.all_token_ids[:(i + 1) * self.block_size])))
+        first = self._hash_content.setdefault(h, (content, rid))
+        if first[0] != content:
+            raise KVAccountingError(f"block {b}, held by request {rid} as its block {i}, is cached under the hash "
+                                    f"request {first[1]} cached another salt or prefix under (they share its KV)")

@@ -174,3 +174,28 @@ def test_release_is_all_or_nothing_with_shared_blocks():
     with pytest.raises(KVAccountingError, match="double free"):
         pool.release([b[0], b[0], b[0]])  # two references, three releases
     assert pool.ref_cnt[b[0]] == 2 and pool.num_free_blocks == 3
+
+
+def test_a_hash_scheme_that_drops_the_salt_from_a_block_is_caught_by_content(monkeypatch):
+    """A bug in the shared hashing (the salt enters every block but the first) makes the cache
+    and the books' re-derivation agree, so only the content check sees two salts share block 0."""
+    import engine.kv_cache as kv_cache
+    from engine.kv_cache_utils import hash_block_tokens
+
+    def salt_after_the_first(hashes, block_size, token_ids, extra_keys=None):
+        for i in range(len(hashes), len(token_ids) // block_size):
+            hashes.append(hash_block_tokens(hashes[i - 1] if i else None,
+                                            token_ids[i * block_size:(i + 1) * block_size], extra_keys if i else None))
+        return hashes
+
+    monkeypatch.setattr(kv_cache, "extend_block_hashes", salt_after_the_first)
+    kv = KVCacheManager(16, BS, enable_caching=True)
+    admit(kv, req("a", range(9), salt="tenant-1"))
+    hits, _ = kv.get_computed_blocks(req("b", range(9), salt="tenant-2"))
+    assert hits == kv.req_blocks["a"][:1]  # the planted bug: another tenant's block 0 is a hit
+    with pytest.raises(KVAccountingError, match="cached another salt or prefix under"):
+        admit(kv, req("b", range(9), salt="tenant-2"))
+    monkeypatch.undo()
+    clean = KVCacheManager(16, BS, enable_caching=True)
+    admit(clean, req("a", range(9), salt="tenant-1"))
+    assert admit(clean, req("b", range(9), salt="tenant-2")) == ([], 0)
