@@ -174,10 +174,37 @@ def padded_rows_null(block_table: torch.Tensor, num_reqs: int) -> str | None:
             f"not the null block 0")
 
 
+def graph_shape(cfg, graph: bool, num_actual_tokens: int, num_rows: int) -> str | None:
+    """The shape a call runs at, as the config promises it, derived here from the config alone
+    (not the engine's dispatcher): in FULL graph mode a batch replays the smallest captured
+    size (a multiple of tp under sequence parallelism) that holds its tokens rounded up to that
+    multiple, and runs eager at its own token count only where that size is past the token
+    budget (or there is none); without graphs, always eager at its own count. A pooled engine
+    is built with a larger budget than the Case's (fuzz.verdict.engine_pool), so a graph past
+    the Case's budget may replay. A dispatcher that runs graph-mode batches eager, or pads to a
+    larger graph than needed, computes the same tokens; only this sees it. None when the shape
+    holds, else what differs."""
+    m = cfg.tp if cfg.sequence_parallel else 1
+    need = -(-num_actual_tokens // m) * m
+    fits = min((s for s in cfg.capture_sizes if s % m == 0 and s >= need), default=None)
+    if cfg.cudagraph_mode != "FULL" or fits is None:
+        want = (False, num_actual_tokens)
+    elif graph or fits <= cfg.max_num_batched_tokens:
+        want = (True, fits)
+    else:
+        want = (False, num_actual_tokens)
+    if (graph, num_rows) == want:
+        return None
+    how = lambda g, n: f"a graph of {n} rows" if g else f"eager at {n} rows"
+    return (f"graph shape: {num_actual_tokens} tokens ran {how(graph, num_rows)}; cudagraph_mode={cfg.cudagraph_mode} "
+            f"with capture sizes {tuple(cfg.capture_sizes)} runs them {how(*want)}")
+
+
 def check_fa_records(case: Case, records: list) -> int:
     """Every recorded attention call satisfies the FlashAttention varlen contract, and the
-    target model's calls hand it the rows in the engine's batch order (`decodes_first`) and
-    padded rows pointing at the null block (`padded_rows_null`). Each record
+    target model's calls hand it the rows in the engine's batch order (`decodes_first`),
+    padded rows pointing at the null block (`padded_rows_null`) and run at the shape the
+    graph mode promises (`graph_shape`). Each record
     counts on its own: the layers of one forward share a metadata snapshot, but each call has
     its own scalars (a bad max_seqlen_q in layer 5 must not hide behind a good layer 0)."""
     # Verdicts of calls already found good, by everything the contract reads of a record
@@ -187,7 +214,7 @@ def check_fa_records(case: Case, records: list) -> int:
     contents: dict = {}  # snapshot bytes by identity, shared by the records of this check
     layers = case.config.num_hidden_layers if case is not None else 0  # records without a Case: the contract only
     for rec in records:
-        key = rec.contract_key(contents)
+        key = (rec.graph, rec.contract_key(contents))  # graph_shape reads where it ran too
         if key in passed:
             continue
         where = f"rank {rec.rank} layer {rec.layer} microbatch {rec.microbatch}" + (" (graph replay)" if rec.graph else "")
@@ -196,7 +223,8 @@ def check_fa_records(case: Case, records: list) -> int:
         except FAInvariantError as e:
             raise FAViolation(f"{where}: {e}", case) from None
         if rec.layer < layers:  # the target model's forward (a drafter's has its own rows)
-            broken = decodes_first(rec.cu_seqlens_q, rec.num_reqs) or padded_rows_null(rec.block_table, rec.num_reqs)
+            broken = (decodes_first(rec.cu_seqlens_q, rec.num_reqs) or padded_rows_null(rec.block_table, rec.num_reqs)
+                      or graph_shape(case.config, rec.graph, rec.num_actual_tokens, rec.q_shape[0]))
             if broken:
                 raise FAViolation(f"{where}: {broken}", case)
         passed.add(key)

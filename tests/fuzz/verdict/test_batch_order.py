@@ -1,6 +1,7 @@
 """What the engine's metadata promises beyond the FA contract, checked on every call of the
 target model: the batch order (fuzz.verdict.properties.decodes_first: one-token rows before
-longer ones) and graph padding (padded_rows_null: padded block-table rows at the null block).
+longer ones), graph padding (padded_rows_null: padded block-table rows at the null block) and
+the shape graph mode runs a batch at (graph_shape).
 A reorder that leaves a row behind, or padded rows left pointing at live blocks, computes the
 same tokens (attention is per row; a padded row has no keys), so only these checks see them."""
 from __future__ import annotations
@@ -13,7 +14,8 @@ from engine.schedule import Schedule
 from fuzz.cases.case import Case, RequestSpec, Workload
 from fuzz.cases.strategies import FUZZ_MODEL
 from engine.input_prep import InputPreparer
-from fuzz.verdict.properties import FAViolation, decodes_first, padded_rows_null
+from engine.cuda_graph import CudagraphDispatcher
+from fuzz.verdict.properties import FAViolation, decodes_first, graph_shape, padded_rows_null
 
 # A 7-token prompt prefilled in chunks of 5 beside a 1-token one: from the second step, the
 # long prompt's chunk (admitted first, row 0) runs beside the short one's decode.
@@ -72,4 +74,30 @@ def test_padded_rows_left_stale_are_seen_by_the_padding_check_only(harness, monk
     with pytest.raises(FAViolation, match=r"padded row \d+ points at blocks \[1\], not the null block 0"):
         harness.check(GRAPH_CASE)
     monkeypatch.setattr("fuzz.verdict.properties.padded_rows_null", lambda table, n: None)
+    harness.check(GRAPH_CASE)  # without it, every other check passes
+
+
+@pytest.mark.parametrize("mode, sizes, sp, tokens, graph, rows, bad", [
+    ("FULL", (4, 8, 16, 32), False, 3, True, 4, False), ("FULL", (4, 8, 16, 32), False, 33, False, 33, False),
+    ("FULL", (4, 8, 16, 32), False, 3, False, 3, True),  # a graph-mode batch run eager
+    ("FULL", (4, 8, 16, 32), False, 3, True, 8, True),  # padded past the smallest graph that holds it
+    ("FULL", (4, 6, 8), True, 5, True, 6, False), ("FULL", (4, 6, 8), True, 4, True, 4, False),
+    ("FULL", (4, 6, 8), True, 4, True, 6, True),  # sequence parallel: rounded up to tp = 2, not past it
+    ("FULL", (64, 128), False, 70, False, 70, False), ("FULL", (64, 128), False, 70, True, 128, False),  # past
+    ("FULL", (64, 128), False, 5, False, 5, True),  # the budget of 64: eager, or a pooled engine's graph
+    ("NONE", (), False, 5, False, 5, False), ("NONE", (), False, 5, False, 6, True),
+])
+def test_graph_shape(mode, sizes, sp, tokens, graph, rows, bad) -> None:
+    cfg = FUZZ_MODEL.replace(tensor_parallel_size=2 if sp else 1, sequence_parallel=sp, cudagraph_mode=mode,
+                             capture_sizes=sizes, max_num_batched_tokens=64)
+    assert (graph_shape(cfg, graph, tokens, rows) is not None) == bad
+
+
+def test_a_dispatcher_that_runs_graph_mode_eager_is_seen_by_the_graph_shape_only(harness, monkeypatch) -> None:
+    """Graph mode that never replays a graph (as a flipped mode test in the dispatcher's setup)
+    computes the same tokens eager; the shape check names the batch."""
+    monkeypatch.setattr(CudagraphDispatcher, "dispatch", lambda self, num_tokens, num_reqs: None)
+    with pytest.raises(FAViolation, match=r"graph shape: \d+ tokens ran eager at \d+ rows; cudagraph_mode=FULL"):
+        harness.check(GRAPH_CASE)
+    monkeypatch.setattr("fuzz.verdict.properties.graph_shape", lambda *a: None)
     harness.check(GRAPH_CASE)  # without it, every other check passes
