@@ -23,6 +23,7 @@ BPF=${BPF:-12}
 GPU_BPF=${GPU_BPF:-$BPF}
 PARTS=${PARTS:-2}
 CAMPAIGNS=${CAMPAIGNS:-1}
+CPU_SELFTESTS=${CPU_SELFTESTS:-1}
 TCB=${TCB:-0}
 T0=$(date +%s)
 left() { echo $(( WALL - 20 - ($(date +%s) - T0) )); }
@@ -46,10 +47,12 @@ selftest() {  # selftest NAME BPF ARGS...: the faults dealt over $PARTS processe
             --out "/tmp/st-$name-$k" "$@" "${faults[@]}" >"$R/$name.$k.json" 2>"$R/$name.$k.err") &
     done
 }
-selftest selftest_cpu_fp32 "$BPF" --device cpu
-selftest selftest_cpu_bf16 "$BPF" --device cpu --dtype bfloat16
-selftest selftest_cpu_fp32_everywhere "$BPF" --device cpu --everywhere
-selftest selftest_cpu_fp32_poison_stale "$BPF" --device cpu --poison stale
+if [[ $CPU_SELFTESTS != 0 ]]; then
+    selftest selftest_cpu_fp32 "$BPF" --device cpu
+    selftest selftest_cpu_bf16 "$BPF" --device cpu --dtype bfloat16
+    selftest selftest_cpu_fp32_everywhere "$BPF" --device cpu --everywhere
+    selftest selftest_cpu_fp32_poison_stale "$BPF" --device cpu --poison stale
+fi
 if [[ $CAMPAIGNS != 0 ]]; then
     for dt in float32 bfloat16; do
         b=$(( $(left) - 90 ))
