@@ -273,6 +273,8 @@ class LLMEngine:
             # its steps from then on (Scheduler._may_run_ahead), so speculation goes on.
             req.drafting = bool(proposed)
             req.spec_token_ids = [] if req.in_flight else proposed
+            if not req.in_flight:
+                self.limits.propose(rid, req.num_tokens, proposed)
 
     def _agreed_output(self, outs: dict, microbatch: int) -> ModelRunnerOutput:
         out = outs[self.output_rank]

@@ -16,7 +16,13 @@ each has) plus each request's prompt length and max_tokens as it was added, and 
     max_num_batched_tokens, and total_num_scheduled_tokens is their sum;
   - no request is scheduled past max_model_len, nor past its own tokens but for drafts;
   - drafts follow a request's last token (a one-token decode), are at most
-    num_speculative_tokens and leave room for the bonus token within max_tokens.
+    num_speculative_tokens and leave room for the bonus token within max_tokens;
+  - a decode verifies the drafts the proposer gave for its tokens (`propose`, from the
+    driver), cut to the budget left after its own token: as many as fit, no fewer. Dropped
+    or cut drafts compute the same tokens (greedy verification only accepts fewer), so no
+    output oracle sees a scheduler that never verifies what was proposed. The budget left at
+    a request is what the requests before it in the microbatch (the scheduler's order, which
+    num_scheduled_tokens keeps) did not take: a request already scheduled is never preempted.
 """
 from __future__ import annotations
 
@@ -33,9 +39,14 @@ class ScheduleLimits:
         self.added: dict[str, tuple[int, int]] = {}  # request -> (prompt length, max_tokens)
         self.held: set[str] = set()  # requests the ranks hold now
         self.known: dict[str, int] = {}  # tokens the ranks know of each held request
+        self.proposed: dict[str, tuple[int, list[int]]] = {}  # request -> (tokens seen, drafts)
 
     def add_request(self, req_id: str, prompt_len: int, max_tokens: int) -> None:
         self.added[req_id] = (prompt_len, max_tokens)
+
+    def propose(self, req_id: str, num_tokens: int, drafts: list[int]) -> None:
+        """The drafts proposed for the request's first `num_tokens` tokens, for its next decode."""
+        self.proposed[req_id] = (num_tokens, list(drafts))
 
     def check(self, so: SchedulerOutput) -> str | None:
         mb = f"microbatch {so.microbatch}"
@@ -53,10 +64,24 @@ class ScheduleLimits:
             return f"{mb}: total_num_scheduled_tokens={so.total_num_scheduled_tokens}, its requests sum to {total}"
         if total > self.cfg.max_num_batched_tokens:
             return f"{mb}: {total} tokens scheduled, more than max_num_batched_tokens={self.cfg.max_num_batched_tokens}"
+        used = 0
         for rid, n in counts.items():
-            problem = self._check_request(rid, starts[rid], n, so.scheduled_spec_decode_tokens.get(rid, []))
+            drafts = so.scheduled_spec_decode_tokens.get(rid, [])
+            problem = (self._check_request(rid, starts[rid], n, drafts)
+                       or self._check_proposal(rid, starts[rid], n, drafts, self.cfg.max_num_batched_tokens - used))
             if problem:
                 return f"{mb}: request {rid}: {problem}"
+            used += n
+        return None
+
+    def _check_proposal(self, rid: str, start: int, n: int, drafts: list[int], left: int) -> str | None:
+        seen, proposed = self.proposed.pop(rid, (-1, []))
+        if not proposed or seen != self.known[rid] or start + 1 != seen or n - len(drafts) != 1:
+            return None  # nothing proposed for this decode (or not a decode: a recompute after preemption)
+        want = proposed[:max(0, left - 1)]
+        if list(drafts) != want:
+            return (f"verifies drafts {list(drafts)} at its decode; the proposer gave {proposed} and {left} tokens "
+                    f"of the budget were left, so {want}")
         return None
 
     def _update_held(self, so: SchedulerOutput) -> dict[str, int] | str:

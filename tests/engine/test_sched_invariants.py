@@ -109,6 +109,39 @@ def test_drafts_over_budget_are_caught_and_otherwise_bitwise_invisible(monkeypat
     assert _bitwise_equal(clean, faulty)
 
 
+@pytest.mark.parametrize("cut", [lambda spec, budget: [], lambda spec, budget: spec[:max(0, budget - 2)]],
+                         ids=["never verified", "cut one short"])
+def test_drafts_dropped_or_cut_short_are_caught_and_otherwise_bitwise_invisible(monkeypatch, cut):
+    """A scheduler that verifies fewer drafts than were proposed and fit (none at all, as a
+    flipped decode test in Scheduler.schedule; or one fewer, as `budget - 2`) computes the same
+    tokens: only the proposal check sees it."""
+    from engine.scheduler import Scheduler
+
+    clean = _run_ngram(())
+    monkeypatch.setattr(Scheduler, "_drafts_in_budget", lambda self, req, budget: cut(req.spec_token_ids, budget))
+    with pytest.raises(EngineInvariantError, match=r"verifies drafts \[.*\] at its decode; the proposer gave"):
+        _run_ngram(())
+    monkeypatch.setattr(ScheduleLimits, "_check_proposal", lambda *a: None)
+    faulty = _run_ngram(())
+    assert faulty.num_draft_tokens < clean.num_draft_tokens  # the bug acted: fewer drafts verified
+    assert _bitwise_equal(clean, faulty)
+
+
+def test_a_decode_verifies_what_was_proposed_up_to_the_budget():
+    lim = _limits(("a", 4, 10), ("b", 4, 10))
+    assert lim.check(_out(0, new=[("a", [1] * 4, 0, 4), ("b", [2] * 4, 0, 4)])) is None
+    lim.propose("a", 5, [6, 7]), lim.propose("b", 5, [8, 9])
+    # a takes 3 of the budget of 8 (its token and both drafts); b, after it, has 5 left: both drafts.
+    assert lim.check(_out(1, cached=[("a", [5], 4, 3), ("b", [5], 4, 3)], spec={"a": [6, 7], "b": [8, 9]})) is None
+    lim.propose("a", 6, [6, 7])
+    assert "the proposer gave [6, 7] and 8 tokens of the budget were left, so [6, 7]" in \
+        lim.check(_out(2, cached=[("a", [9], 5, 2)], spec={"a": [6]}))
+    lim = _limits(("a", 4, 10), ("b", 4, 10))
+    lim.check(_out(0, new=[("a", [1] * 7, 0, 6)]))
+    lim.propose("a", 8, [6, 7])  # a proposal for another context (8 tokens; the ranks know 7) is not this step's
+    assert lim.check(_out(1, cached=[("a", [], 6, 1)])) is None
+
+
 # -- each limit, broken by hand ---------------------------------------------------------------
 
 CFG = FUZZ_MODEL.replace(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=16,
