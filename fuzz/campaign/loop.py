@@ -68,9 +68,13 @@ def _leaves(g: BaseExceptionGroup | None) -> list:
     return out
 
 
-class ShrinkOver(BaseException):
-    """Raised through Hypothesis to end its shrink of a failure at the campaign's `shrink_s` (a
-    BaseException, as KeyboardInterrupt is: Hypothesis does not take it for a failure)."""
+class ShrinkOver(KeyboardInterrupt):
+    """Raised through Hypothesis to end its shrink of a failure at the campaign's `shrink_s`.
+    A KeyboardInterrupt: Hypothesis does not take it for a failure, and it is the one exception
+    whose example Hypothesis does not save to the database (it saves the choices of any other
+    that escapes a test, so a nightly run would later replay the shrink candidate that was
+    about to run, often a passing Case, ahead of the saved failure). `_find` catches it before
+    its KeyboardInterrupt clause."""
 
 
 class Campaign(SequentialVisits):
