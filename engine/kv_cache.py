@@ -149,8 +149,10 @@ class KVCacheManager:
         self.req_to_block_hashes: dict[str, list[BlockHash]] = {}
         self.requests: dict = {}  # req_id -> Request, for the books' hash check
         self._expected_hashes: dict[str, list[BlockHash]] = {}
-        # Cached hash -> (a digest of the salt and tokens it was first held under, holder).
+        # Cached hash -> (the content digest it was first held under, holder); per request, the
+        # content digest of each of its full blocks, extended as its tokens grow.
         self._hash_content: dict[BlockHash, tuple[int, str]] = {}
+        self._contents: dict[str, list[int]] = {}
         # Prefix-cache stats, per lookup as vLLM counts them (a request the pool cannot admit
         # yet is looked up again at its next try).
         self.num_queried_tokens = 0
@@ -249,6 +251,7 @@ class KVCacheManager:
         self.req_to_block_hashes.pop(req_id, None)
         self.requests.pop(req_id, None)
         self._expected_hashes.pop(req_id, None)
+        self._contents.pop(req_id, None)
         # With caching, tail first: a request's tail is its least shared part, so it is the
         # first evicted (vLLM's order). Without, the order only decides which ids later
         # requests get, and stays as recorded reproducers replay it.
@@ -273,6 +276,7 @@ class KVCacheManager:
             salt = None if request.cache_salt is None else (request.cache_salt,)
             expected = extend_block_hashes(self._expected_hashes.setdefault(rid, []), self.block_size,
                                            request.all_token_ids, salt)
+            contents = self._content(rid, request)
             for i, b in enumerate(self.req_blocks.get(rid, ())):
                 h = self.pool.block_hash[b]
                 if h is None:
@@ -280,14 +284,23 @@ class KVCacheManager:
                 if i >= len(expected) or h != expected[i]:
                     raise KVAccountingError(f"block {b} is cached under a hash that is not request {rid}'s "
                                             f"block {i} (another prefix or cache salt shares its KV)")
-                self._check_one_content_per_hash(h, b, rid, request, i)
+                self._check_one_content_per_hash(h, b, rid, contents[i], i)
 
-    def _check_one_content_per_hash(self, h: BlockHash, b: int, rid: str, request, i: int) -> None:
+    def _content(self, rid: str, request) -> list[int]:
+        """A digest per full block of the request's salt and tokens up to that block's end, by
+        Python's own tuple hash (no code shared with the cache's hashing); a request's tokens
+        only grow, so earlier digests stay valid and each step extends the list."""
+        out, bs, tokens = self._contents.setdefault(rid, []), self.block_size, request.all_token_ids
+        for i in range(len(out), len(tokens) // bs):
+            out.append(hash((out[i - 1] if i else ("salt", request.cache_salt), tuple(tokens[i * bs:(i + 1) * bs]))))
+        return out
+
+    def _check_one_content_per_hash(self, h: BlockHash, b: int, rid: str, content: int, i: int) -> None:
         """A cached hash stands for one salt and one token prefix, whoever holds it, ever. Checked
-        by content, without any hashing: the re-derivation above shares extend_block_hashes with
-        the cache, so a scheme that drops the salt from some blocks passes it, and shows here once
-        two differently salted requests (or two prefixes) hold a block of one hash."""
-        content = hash((request.cache_salt, tuple(request.all_token_ids[:(i + 1) * self.block_size])))
+        by content, without the cache's hashing: the re-derivation above shares
+        extend_block_hashes with the cache, so a scheme that drops the salt from some blocks
+        passes it, and shows here once two differently salted requests (or two prefixes) hold a
+        block of one hash."""
         first = self._hash_content.setdefault(h, (content, rid))
         if first[0] != content:
             raise KVAccountingError(f"block {b}, held by request {rid} as its block {i}, is cached under the hash "
