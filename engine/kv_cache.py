@@ -157,6 +157,7 @@ class KVCacheManager:
         # yet is looked up again at its next try).
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
+        self.num_short_allocations = 0  # allocate_slots calls the pool could not serve
 
     @property
     def hit_rate(self) -> float:
@@ -213,6 +214,7 @@ class KVCacheManager:
         n = self.blocks_needed(req_id, num_tokens) - len(hits)
         # Unreferenced hit blocks wait in the free queue: they are not free for this request.
         if n > self.pool.num_free_blocks - sum(1 for b in hits if self.pool.ref_cnt[b] == 0):
+            self.num_short_allocations += 1
             return None
         if hits:
             # Touch before allocating, or the allocation could evict a block of the hit.

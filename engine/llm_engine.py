@@ -171,10 +171,12 @@ class LLMEngine:
         self.step_count += 1
         ahead = self.spec_cfg.async_scheduling and self.async_driver.schedule_ahead()
         while len(self.in_flight) < (max(self.cfg.pp, 2) if ahead else self.cfg.pp):
+            short = self.scheduler.kv.num_short_allocations
             so = self.scheduler.schedule(ahead=ahead)
             if so is None:
                 break
-            broken = self.limits.check(so)
+            broken = self.limits.check(so, {r for s, _ in self.in_flight for r in s.num_scheduled_tokens},
+                                       pool_short=self.scheduler.kv.num_short_allocations != short)
             if broken is not None:
                 raise EngineInvariantError(f"scheduler limit: {broken}")
             # Requests that sample, and the tokens (placeholders included) the ranks know of each.

@@ -22,7 +22,11 @@ each has) plus each request's prompt length and max_tokens as it was added, and 
     or cut drafts compute the same tokens (greedy verification only accepts fewer), so no
     output oracle sees a scheduler that never verifies what was proposed. The budget left at
     a request is what the requests before it in the microbatch (the scheduler's order, which
-    num_scheduled_tokens keeps) did not take: a request already scheduled is never preempted.
+    num_scheduled_tokens keeps) did not take: a request already scheduled is never preempted;
+  - the budget is not left idle: a microbatch with tokens to spare schedules every held
+    request that has no step in flight, each for every token the ranks know of it, unless the
+    KV pool turned an allocation down meanwhile (the driver says so, from the KV manager). A scheduler that wastes budget computes the same tokens in more steps, which
+    no output oracle sees.
 """
 from __future__ import annotations
 
@@ -48,7 +52,10 @@ class ScheduleLimits:
         """The drafts proposed for the request's first `num_tokens` tokens, for its next decode."""
         self.proposed[req_id] = (num_tokens, list(drafts))
 
-    def check(self, so: SchedulerOutput) -> str | None:
+    def check(self, so: SchedulerOutput, in_flight: frozenset[str] | set[str] = frozenset(),
+              pool_short: bool = False) -> str | None:
+        """`in_flight`: the requests of the microbatches still in flight besides this one;
+        `pool_short`: the KV pool turned an allocation down while this microbatch was planned."""
         mb = f"microbatch {so.microbatch}"
         starts = self._update_held(so)
         if isinstance(starts, str):
@@ -72,6 +79,27 @@ class ScheduleLimits:
             if problem:
                 return f"{mb}: request {rid}: {problem}"
             used += n
+        idle = None if pool_short else self._check_work_conserving(so, starts, in_flight)
+        return f"{mb}: {idle}" if idle else None
+
+    def _check_work_conserving(self, so: SchedulerOutput, starts: dict[str, int], in_flight) -> str | None:
+        """Running requests come first and the budget goes to them until it runs out: a held
+        request with no step in flight always has a token to compute (its last sampled one, or
+        the rest of its prompt), so with budget left over it is scheduled, and for all the
+        tokens the ranks know of it. A step in flight is the only excuse (a short KV pool is
+        excused by the caller, `check`'s pool_short)."""
+        left = self.cfg.max_num_batched_tokens - so.total_num_scheduled_tokens
+        if left <= 0:
+            return None
+        for rid, n in so.num_scheduled_tokens.items():
+            want = self.known[rid] - starts[rid]
+            if n - len(so.scheduled_spec_decode_tokens.get(rid, ())) < want:
+                return (f"request {rid} was scheduled {n} of its {want} tokens to compute, with {left} tokens of "
+                        f"max_num_batched_tokens={self.cfg.max_num_batched_tokens} left over")
+        idle = sorted(self.held - set(so.num_scheduled_tokens) - set(in_flight) - so.preempted_req_ids)
+        if idle:
+            return (f"request {idle[0]} has no step in flight and was not scheduled, with {left} tokens of "
+                    f"max_num_batched_tokens={self.cfg.max_num_batched_tokens} left over")
         return None
 
     def _check_proposal(self, rid: str, start: int, n: int, drafts: list[int], left: int) -> str | None:

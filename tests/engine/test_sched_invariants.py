@@ -54,8 +54,8 @@ def test_clean_engine_keeps_the_limits_at_their_edges(engine, monkeypatch):
     held, tokens = [], []
     check = ScheduleLimits.check
 
-    def spy(self, so):
-        broken = check(self, so)
+    def spy(self, so, *a, **kw):
+        broken = check(self, so, *a, **kw)
         held.append(len(self.held))
         tokens.append(sum(so.num_scheduled_tokens.values()))
         return broken
@@ -75,7 +75,7 @@ def test_off_by_one_is_bitwise_invisible_without_it(engine, monkeypatch):
     """With the check off the faulty run completes with every token and logits row equal bit
     for bit to the clean run's, though it batched differently: no output property can see it."""
     clean, clean_batches = _run(engine)
-    monkeypatch.setattr(ScheduleLimits, "check", lambda self, so: None)
+    monkeypatch.setattr(ScheduleLimits, "check", lambda self, so, *a, **kw: None)
     faulty, faulty_batches = _run(engine, OFF_BY_ONE)
     assert ["r2"] in faulty_batches[:2] and faulty_batches != clean_batches  # the fault acted
     assert _bitwise_equal(clean, faulty)
@@ -103,7 +103,7 @@ def test_drafts_over_budget_are_caught_and_otherwise_bitwise_invisible(monkeypat
     with pytest.raises(EngineInvariantError, match=r"4 tokens scheduled, more than max_num_batched_tokens=3"):
         _run_ngram(OVER_BUDGET)
     clean = _run_ngram(())
-    monkeypatch.setattr(ScheduleLimits, "check", lambda self, so: None)
+    monkeypatch.setattr(ScheduleLimits, "check", lambda self, so, *a, **kw: None)
     faulty = _run_ngram(OVER_BUDGET)
     assert faulty.num_draft_tokens > clean.num_draft_tokens  # the fault acted: more drafts verified
     assert _bitwise_equal(clean, faulty)
@@ -135,7 +135,7 @@ def test_a_decode_verifies_what_was_proposed_up_to_the_budget():
     assert lim.check(_out(1, cached=[("a", [5], 4, 3), ("b", [5], 4, 3)], spec={"a": [6, 7], "b": [8, 9]})) is None
     lim.propose("a", 6, [6, 7])
     assert "the proposer gave [6, 7] and 8 tokens of the budget were left, so [6, 7]" in \
-        lim.check(_out(2, cached=[("a", [9], 5, 2)], spec={"a": [6]}))
+        lim.check(_out(2, cached=[("a", [9], 5, 2)], spec={"a": [6]}), in_flight={"b"})
     lim = _limits(("a", 4, 10), ("b", 4, 10))
     lim.check(_out(0, new=[("a", [1] * 7, 0, 6)]))
     lim.propose("a", 8, [6, 7])  # a proposal for another context (8 tokens; the ranks know 7) is not this step's
@@ -178,7 +178,7 @@ def test_a_decode_with_drafts_in_room_passes():
     ([_out(0, new=[("a", [1] * 4, 0, 4)], total=3)], "total_num_scheduled_tokens=3"),
     ([_out(0, new=[("a", [1] * 4, 0, 5)])], "scheduled up to position 5 of its 4 tokens"),
     ([_out(0, new=[("a", [1] * 4, 0, 4)]), _out(1, cached=[("b", [2], 4, 1)])], "the ranks do not hold it"),
-    ([_out(0, new=[("a", [1] * 4, 0, 2)]), _out(1, cached=[("a", [], 2, 3)], spec={"a": [5]})],
+    ([_out(0, new=[("a", [1] * 4, 0, 2), ("b", [1] * 6, 0, 6)]), _out(1, cached=[("a", [], 2, 3)], spec={"a": [5]})],
      "not a one-token decode"),
     ([_out(0, new=[("a", [1] * 4, 0, 4)]), _out(1, cached=[("a", [5] * 10, 12, 8)])],
      "computed 12 \\+ scheduled 8 > max_model_len=16"),
@@ -188,6 +188,41 @@ def test_each_broken_limit_is_named(outs, match):
     *ok, bad = outs
     assert [lim.check(o) for o in ok] == [None] * len(ok)
     assert re.search(match, lim.check(bad) or ""), lim.check(bad)
+
+
+def test_budget_left_idle_beside_a_request_with_no_step_in_flight_is_named():
+    lim = _limits(("a", 4, 10), ("b", 4, 10))
+    assert lim.check(_out(0, new=[("a", [1] * 4, 0, 4), ("b", [2] * 4, 0, 4)])) is None
+    # b's step is in flight (PP): a may run alone.
+    assert lim.check(_out(1, cached=[("a", [5], 4, 1)]), in_flight={"b"}) is None
+    # Both are back; a alone with 7 of the 8 tokens left over: b lost its turn.
+    assert "request b has no step in flight and was not scheduled, with 7 tokens" in \
+        lim.check(_out(2, cached=[("a", [6], 5, 1)]))
+    # A prefill chunk cut short with budget to spare.
+    lim = _limits(("a", 12, 4), ("b", 4, 4))
+    assert "request a was scheduled 6 of its 12 tokens to compute, with 2 tokens" in \
+        lim.check(_out(0, new=[("a", [1] * 12, 0, 6)]))
+    # A full microbatch: a's chunk takes the budget, b waits (not held: admission is not checked).
+    lim = _limits(("a", 12, 4), ("b", 4, 4))
+    assert lim.check(_out(0, new=[("a", [1] * 12, 0, 8)])) is None
+    assert lim.check(_out(1, new=[("b", [2] * 4, 0, 4)], cached=[("a", [], 8, 4)])) is None
+
+
+def test_wasted_budget_is_caught_and_otherwise_bitwise_invisible(engine, monkeypatch):
+    """A scheduler that spends one token less than its budget on running requests (a budget
+    decremented twice, as a run-ahead step counted as two) computes the very same tokens in
+    more steps: only the idle-budget check sees it."""
+    from engine.scheduler import Scheduler
+
+    clean, clean_batches = _run(engine, prompts=(4, 4, 3, 9, 2))
+    run = Scheduler._schedule_running
+    monkeypatch.setattr(Scheduler, "_schedule_running", lambda self, budget, *a: run(self, budget - 1, *a))
+    with pytest.raises(EngineInvariantError, match=r"request r1 was scheduled 3 of its 4 tokens to compute, with 1 "):
+        _run(engine, prompts=(4, 4, 3, 9, 2))
+    monkeypatch.setattr(ScheduleLimits, "_check_work_conserving", lambda *a: None)
+    faulty, faulty_batches = _run(engine, prompts=(4, 4, 3, 9, 2))
+    assert faulty_batches != clean_batches  # the bug acted
+    assert _bitwise_equal(clean, faulty)
 
 
 def test_drafts_past_max_tokens_or_k_are_named():
@@ -207,7 +242,7 @@ def test_held_requests_leave_with_finished_ids():
     assert "the ranks hold 3 requests" in lim.check(_out(1, new=[("c", [1] * 4, 0, 4)]))
     lim = _limits(("a", 4, 4), ("b", 4, 4), ("c", 4, 4))
     lim.check(_out(0, new=[("a", [1] * 4, 0, 4), ("b", [1] * 4, 0, 4)]))
-    assert lim.check(_out(1, new=[("c", [1] * 4, 0, 4)], finished={"a"})) is None
+    assert lim.check(_out(1, new=[("c", [1] * 4, 0, 4)], finished={"a"}), in_flight={"b"}) is None
 
 
 def test_an_engine_built_with_more_seats_serves_a_smaller_max_num_seqs(engine):
