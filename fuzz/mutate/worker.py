@@ -46,13 +46,30 @@ def outputs_digest(trace) -> str:
     return h.hexdigest()
 
 
+def read_block_table(rec):
+    """The block table as the kernel reads it: row i's first ceil(seqused_k[i] / block_size)
+    entries; the rest is -1. Entries past a row's length are garbage by contract (poison fills
+    them, and a mutant that changes only that garbage changes nothing a kernel sees)."""
+    import torch
+
+    bt, used = rec.block_table, rec.seqused_k
+    if bt is None or used is None or bt.dim() != 2 or len(rec.kv_shape) < 2:
+        return bt
+    need = (used.to(bt.device, torch.int64) + rec.kv_shape[1] - 1) // rec.kv_shape[1]
+    rows = min(bt.shape[0], need.shape[0])
+    read = torch.zeros(bt.shape, dtype=torch.bool, device=bt.device)
+    read[:rows] = torch.arange(bt.shape[1], device=bt.device)[None, :] < need[:rows, None]
+    return bt.masked_fill(~read, -1)
+
+
 def fa_digest(records) -> str:
-    """The FA calls as a multiset (rank threads may interleave their records)."""
+    """The FA calls as a multiset (rank threads may interleave their records), each as the
+    kernel reads it (read_block_table)."""
     each = []
     for rec in records:
         h = hashlib.sha256()
         for name in type(rec).__dataclass_fields__:
-            v = getattr(rec, name)
+            v = read_block_table(rec) if name == "block_table" else getattr(rec, name)
             _tensor(h, v) if hasattr(v, "numpy") else h.update(f"{name}={v!r};".encode())
         each.append(h.hexdigest())
     return hashlib.sha256("".join(sorted(each)).encode()).hexdigest()
