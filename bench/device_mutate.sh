@@ -17,6 +17,9 @@ D=/tmp/mutate
 case "$phase" in
 start)
     mkdir -p "$D"
+    # Run from a frozen copy of the tree: a later device call syncs the working tree again, and
+    # mutants started after that would otherwise mutate (and run) a different engine.
+    rm -rf "$D/tree" && mkdir -p "$D/tree" && tar --exclude=.git -cf - . | tar -xf - -C "$D/tree" && cd "$D/tree"
     export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
     for s in ${SEEDS:-7001 7002}; do
         setsid nohup python3 -m fuzz.cli mutate --n "${N:-60}" --seed "$s" --budget-per-mutant "${BPM:-120}" \
@@ -33,7 +36,7 @@ collect)
         kill -0 "$(cat "$p")" 2>/dev/null && echo "device_mutate.sh: $(basename "$p" .pid) unfinished at WAIT"
     done
     nproc >"$D/host.txt"
-    tar czf "$OUT/mutate.tgz" -C "$D" .
+    tar czf "$OUT/mutate.tgz" -C "$D" --exclude=./tree .
     ;;
 *) echo "device_mutate.sh: start or collect, not '$phase'" >&2; exit 2 ;;
 esac
