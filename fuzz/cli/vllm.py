@@ -128,7 +128,7 @@ def _campaign(args, configs: list, known: set[str], plan: dict, share=None, repl
     from fuzz.targets.vllm.target import VLLMTarget
 
     target = VLLMTarget(configs, known=known, max_requests=args.max_requests,
-                        shrink_configs=not args.no_config_shrink, plan=plan)
+                        shrink_configs=not args.no_config_shrink, plan=plan, include_known=bool(args.include_known))
     try:
         t0 = time.monotonic()
         if not args.include_known and replay_known:
@@ -142,18 +142,21 @@ def _campaign(args, configs: list, known: set[str], plan: dict, share=None, repl
 
 def known_crash_states(target, plan: dict, crashes=None, root: str | None = None, quiet: bool = True) -> list[dict]:
     """Each known crash (fuzz.targets.vllm.known.KNOWN_CRASHES) whose configs this plan left
-    out, its reproducer replayed once on the installed vLLM: "still fails" (the recorded
-    signature), "passes now" (fixed: plan its configs again), "fails differently" (another
-    failure: which is named) or "no reproducer"."""
+    out, and each known workload crash the cells draw around (KNOWN_WORKLOAD_CRASHES), its
+    reproducer replayed once on the installed vLLM: "still fails" (the recorded signature),
+    "passes now" (fixed: plan its configs again), "fails differently" (another failure: which
+    is named) or "no reproducer"."""
     from fuzz.campaign.reproduce import CaseFormatError, load_reproducer, replay_on
-    from fuzz.targets.vllm.known import KNOWN_CRASHES, ROOT
+    from fuzz.targets.vllm.known import KNOWN_CRASHES, KNOWN_WORKLOAD_CRASHES, ROOT
 
     reasons = " ".join((plan or {}).get("pairs_excluded", {}).values())
     out = []
-    for k in KNOWN_CRASHES if crashes is None else crashes:
-        if k.short not in reasons:
+    for k in (*KNOWN_CRASHES, *KNOWN_WORKLOAD_CRASHES) if crashes is None else crashes:
+        combos = getattr(k, "combos", None)
+        if combos is not None and k.short not in reasons:
             continue
-        row = {"signature": k.signature, "reproducer": k.reproducer, "combos": [dict(c) for c in k.combos]}
+        row = {"signature": k.signature, "reproducer": k.reproducer}
+        row.update({"combos": [dict(c) for c in combos]} if combos is not None else {"excluded": k.excluded})
         try:
             repro = load_reproducer(os.path.join(root or ROOT, k.reproducer))
         except CaseFormatError as e:

@@ -35,15 +35,19 @@ def _on(template: Case):
     return lambda wl: replace(template, workload=wl)
 
 
-def config_cells(configs, name, max_requests: int = 8) -> list[Cell]:
+def config_cells(configs, name, max_requests: int = 8, sampling: bool = False, adapt=None) -> list[Cell]:
     """One cell per planned config (`configs`: (EngineConfig, options) pairs, the options'
     `on(case)` making the Case the target's; `name(cfg, opts)`: the cell's name): Hypothesis
-    draws workloads (fuzz.cases.strategies.workloads) on that config; `data` is the template Case
-    (the config and options the engine starts with)."""
+    draws workloads (fuzz.cases.strategies.workloads, with sampling params when `sampling`,
+    then through `adapt(cfg, workload)` if given: what the target cannot take, taken out) on
+    that config; `data` is the template Case (the config and options the engine starts with)."""
     out = []
     for cfg, opts in configs:
         template = opts.on(Case(cfg, Workload((RequestSpec((1,), 1),))))
-        out.append(Cell(name(cfg, opts), workloads(cfg, max_requests).map(_on(template)), template))
+        drawn = workloads(cfg, max_requests, sampling=sampling)
+        if adapt is not None:
+            drawn = drawn.map(lambda wl, cfg=cfg: adapt(cfg, wl))
+        out.append(Cell(name(cfg, opts), drawn.map(_on(template)), template))
     return out
 
 

@@ -21,6 +21,7 @@ class RequestResult:
     # token from the second on (the logprob of prompt token j given tokens [:j], with that
     # token included even outside the top-k); () when not asked for.
     prompt_logprobs: tuple[Position, ...] = ()
+    num_cached_tokens: int = 0  # prompt tokens the target's prefix cache served (where it says)
 
     def top(self, i: int) -> dict[int, float]:
         return dict(self.logprobs[i])

@@ -31,11 +31,11 @@ from __future__ import annotations
 
 from fuzz.cases.case import Case, RequestSpec, Workload
 from fuzz.targets.blackbox import (BlackBoxChecker, BlackBoxVerdict, TargetBatchInvariance, TargetCrash, TargetGreedy,
-                                   TargetHang, TargetSampling, TargetVsReference, TargetVsTransformers,
+                                   TargetHang, engine_items, TargetSampling, TargetVsReference, TargetVsTransformers,
                                    logprob_tolerance, properties_for)
 from fuzz.verdict.properties import EngineViolation
 from fuzz.targets.reference import ReferenceRunner
-from fuzz.targets.runs import TargetFailure, TargetRun, request_items
+from fuzz.targets.runs import TargetFailure, TargetRun
 from fuzz.targets.vllm.configs import VLLM_MODEL, VLLMOptions, cell_name
 from fuzz.targets.vllm.drafts import DraftStats, check_drafts
 from fuzz.targets.vllm.launch import llm_kwargs
@@ -113,6 +113,8 @@ class VLLMChecker(BlackBoxChecker):
                          solo_cache_size=solo_cache_size, transformers=transformers,
                          prompt_logprobs=prompt_logprobs, label="vLLM", props=PROPERTIES, half_rule=half_rule)
         self.draft_stats: dict[str, DraftStats] = {}  # per cell name: drafts, acceptance
+        # per cell name: what the batch runs asked and got of the prefix cache, and how they sampled
+        self.mix_stats: dict[str, dict[str, int]] = {}
 
     def check(self, case: Case, opts: VLLMOptions | None = None) -> BlackBoxVerdict:
         """Run `case` on vLLM (with `opts` instead of the Case's own options, if given)."""
@@ -123,15 +125,21 @@ class VLLMChecker(BlackBoxChecker):
     def wants_prompt_logprobs(self, case: Case) -> bool:
         return super().wants_prompt_logprobs(case) and not VLLMOptions.of(case).enable_prefix_caching
 
+    def _count_mix(self, case: Case, test: TargetRun, cell: str) -> None:
+        into = self.mix_stats.setdefault(cell, {})
+        for k, v in mix_counts(case, test).items():
+            into[k] = into.get(k, 0) + v
+
     def extra_checks(self, case: Case, test: TargetRun) -> None:
         """`vllm_draft`: the batch run's n-gram drafts (recorded in the worker) recomputed
         from each request's prompt + output with the proposer's parameters (llm_kwargs)."""
         cfg, opts = case.config, VLLMOptions.of(case)
+        self._count_mix(case, test, cell_name(cfg, opts))
         if cfg.speculative_method != "ngram":
             return
         sc = llm_kwargs(cfg, opts)["speculative_config"]
         full = {rid: tuple(r.prompt_token_ids) + tuple(test.results[rid].token_ids)
-                for rid, r in request_items(case) if rid in test.results}
+                for rid, r in engine_items(case) if rid in test.results}
         st = check_drafts(getattr(self.runner, "last_drafts", {}) or {}, full, cfg.num_speculative_tokens,
                           sc["prompt_lookup_min"], sc["prompt_lookup_max"], cfg.max_model_len)
         self.draft_stats.setdefault(cell_name(cfg, opts), DraftStats()).add(st)
@@ -140,6 +148,16 @@ class VLLMChecker(BlackBoxChecker):
                           f"({st.first_kind} first): " + "; ".join(st.examples), case)
             v.signature = f"vllm_draft:{st.first_kind}"
             raise v
+
+
+def mix_counts(case: Case, test: TargetRun) -> dict[str, int]:
+    """What one batch run exercised: prompt tokens and those the prefix cache served
+    (vLLM's num_cached_tokens), requests, and those with sampling params (random ones apart)."""
+    items = [(rid, r) for rid, r in engine_items(case) if rid in test.results]
+    return {"prompt_tokens": sum(len(r.prompt_token_ids) for _, r in items),
+            "cached_tokens": sum(test.results[rid].num_cached_tokens for rid, _ in items),
+            "requests": len(items), "sampled": sum(r.sampling is not None for _, r in items),
+            "random": sum(r.sampling is not None and r.sampling.temperature > 0 for _, r in items)}
 
 
 def vllm_case(workload: Workload | list[tuple[list[int], int]], base=VLLM_MODEL,

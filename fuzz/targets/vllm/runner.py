@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from fuzz.cases.case import Case, RequestSpec
-from fuzz.targets.runs import (RequestResult, TargetFailure, TargetRun, package_path, parse_tracebacks, request_items,
+from fuzz.targets.runs import (RequestResult, TargetFailure, TargetRun, package_path, parse_tracebacks,
                                signature)
 from fuzz.targets.vllm import launch
 from fuzz.targets.vllm.configs import VLLM_MODEL, VLLMOptions, cell_name
@@ -89,7 +89,7 @@ class VLLMRunner:
 
     # -- engine lifecycle -------------------------------------------------------------------
     # The black-box runner protocol (fuzz.targets.blackbox): run, engine_key, close.
-    supports_sampling = False  # the worker samples greedily (temperature 0, ignore_eos)
+    supports_sampling = True  # launch.request_payload: vLLM's own SamplingParams, ignore_eos
     supports_prompt_logprobs = True
 
     def engine_key(self, case: Case) -> str:
@@ -282,16 +282,19 @@ class VLLMRunner:
         """Run the Case's workload (or `items`, (request id, spec) pairs) on the engine for
         its config and options (`opts`, else the Case's), with top-k prompt logprobs if asked;
         raise TargetFailure on a crash, a hang or a failed start."""
-        items = request_items(case) if items is None else items
+        if items is None:  # the engine's requests: n > 1 as its children, as the reference runs them
+            from fuzz.targets.blackbox import engine_items
+
+            items = engine_items(case)
         opts = VLLMOptions.of(case) if opts is None else opts
+        requests = [launch.request_payload(rid, r) for rid, r in items]  # refused before any engine starts
         self.ensure(case.config, opts)
         w = self._w
         st = self.stats[w.cell]
         tokens = sum(len(r.prompt_token_ids) + r.max_tokens for _, r in items)
         timeout = self._cap(self.run_timeout_s + self.run_timeout_per_token_s * tokens)
         cmd = {"cmd": "run", "logprobs": self.top_k, "prompt_logprobs": self.top_k if prompt_logprobs else None,
-               "requests": [{"id": rid, "prompt_token_ids": list(r.prompt_token_ids), "max_tokens": r.max_tokens,
-                             "arrival_step": r.arrival_step} for rid, r in items]}
+               "requests": requests}
         log_offset = os.path.getsize(w.log_path)
         try:
             w.proc.stdin.write((json.dumps(cmd) + "\n").encode())
@@ -317,7 +320,8 @@ class VLLMRunner:
         for rid, r in reply["results"].items():
             results[rid] = RequestResult(
                 tuple(r["token_ids"]), tuple(tuple((int(t), float(lp)) for t, lp in pos) for pos in r["logprobs"]),
-                tuple(tuple((int(t), float(lp)) for t, lp in pos) for pos in r.get("prompt_logprobs") or ()))
+                tuple(tuple((int(t), float(lp)) for t, lp in pos) for pos in r.get("prompt_logprobs") or ()),
+                int(r.get("num_cached_tokens") or 0))
         run = TargetRun(results, float(reply["seconds"]), int(reply["steps"]))
         self.last_drafts = reply.get("drafts") or {}
         return run

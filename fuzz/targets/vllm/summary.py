@@ -99,5 +99,5 @@ def summary_table(s, target=None) -> str:
                     + (" ..." if len(plan["pairs_excluded"]) > 6 else ""))
     for k in (target.known_crashes if target is not None else []):
         rows.append(f"known crash {k['reproducer']}: {k['state']}" + (f" ({k['detail']})" if k.get("detail") else "")
-                    + f"  [{k['signature']}]")
+                    + f"  [{k['signature']}]" + (f"; not drawn: {k['excluded']}" if k.get("excluded") else ""))
     return "\n".join(rows)

@@ -72,7 +72,7 @@ class Unchecked:
 
 class VLLMTarget(Target):
     """`configs`: the (EngineConfig, VLLMOptions) to visit; `known`: crash signatures counted,
-    not written; `plan`: what the configs cover (fuzz.targets.vllm.plan.plan_report), kept in
+    not written; `include_known`: draw what known workload crashes reach too; `plan`: what the configs cover (fuzz.targets.vllm.plan.plan_report), kept in
     the summary; `checker`: a VLLMChecker of the caller's (closed by the caller), else one of
     this target's, made when first needed."""
 
@@ -86,8 +86,10 @@ class VLLMTarget(Target):
     min_cell_s = 10.0
 
     def __init__(self, configs, *, checker=None, known=None, max_requests: int = 8,
-                 shrink_configs: bool = True, plan: dict | None = None) -> None:
+                 shrink_configs: bool = True, plan: dict | None = None, include_known: bool = False) -> None:
         self.configs, self.known, self.plan = list(configs), set(known or ()), plan
+        # Unless set, the cells draw around the known crashes some workloads reach (known.py).
+        self.include_known = include_known
         self.max_requests, self.shrink_configs = max_requests, shrink_configs
         self._checker, self._own = checker, checker is None
         self._starts: dict[str, tuple[int, float]] = {}  # engine starts before each cell
@@ -124,7 +126,11 @@ class VLLMTarget(Target):
     def cells(self) -> list[Cell]:
         from fuzz.targets.blackbox_target import config_cells
 
-        return config_cells(self.configs, cell_name, self.max_requests)
+        from fuzz.targets.vllm.known import spare_known
+
+        spare = (lambda cfg, wl: wl) if self.include_known else spare_known
+        return config_cells(self.configs, cell_name, self.max_requests, sampling=True,
+                            adapt=lambda cfg, wl: spare(cfg, without_stop_sequences(wl)))
 
     def check(self, case):
         """The checker's verdict; a start-up failure kept by `start` is raised as this
@@ -281,6 +287,9 @@ class VLLMTarget(Target):
         ds = self._checker.draft_stats.get(cell.name) if self._checker is not None else None
         if ds is not None:
             stats.notes["drafts"] = ds.to_json()
+        mix = self._checker.mix_stats.get(cell.name) if self._checker is not None else None
+        if mix:  # the prefix cache's hit rate over the cell's prompt tokens, and the sampling mix
+            stats.notes["mix"] = {**mix, "hit_rate": round(mix["cached_tokens"] / max(1, mix["prompt_tokens"]), 3)}
 
     def describe(self) -> str:
         return f"vLLM, {len(self.configs)} config(s)"
@@ -302,6 +311,15 @@ class VLLMTarget(Target):
     def close(self) -> None:
         if self._own and self._checker is not None:
             self._checker.close()
+
+
+def without_stop_sequences(wl: Workload) -> Workload:
+    """The workload with its stop sequences of token ids dropped: vLLM without a tokenizer has
+    no counterpart (launch.request_payload); stop token ids stay."""
+    def strip(r: RequestSpec) -> RequestSpec:
+        p = r.sampling
+        return r if p is None or not p.stop_sequences else replace(r, sampling=replace(p, stop_sequences=()))
+    return replace(wl, requests=tuple(strip(r) for r in wl.requests))
 
 
 # The exception types vLLM's config checks raise to refuse a combination: such a start-up is an

@@ -16,10 +16,12 @@ tracebacks from).
     worker: the runner starts the next config's worker while the current one is fuzzed, so
     the ~7-16 s import of vLLM is off the critical path)
     -> {"event": "ready", "startup_s": S, "import_s": S, "vllm_version": V, "vllm_file": F}   or   {"event": "error", ...}
-    {"cmd": "run", "requests": [{"id", "prompt_token_ids", "max_tokens", "arrival_step"}],
+    {"cmd": "run", "requests": [{"id", "prompt_token_ids", "max_tokens", "arrival_step",
+                                 "cache_salt"?, "sampling"?: {SamplingParams field: value}}],
      "logprobs": K, "prompt_logprobs": K or null}
     -> {"event": "result", "seconds": S, "steps": N,
         "results": {id: {"token_ids": [...], "logprobs": [[[tok, logprob], ...], ...],
+                         "num_cached_tokens": N,   (prompt tokens the prefix cache served)
                          "prompt_logprobs": [...]}},   (prompt tokens 1.., when asked for)
         "drafts": {id: [[n, k, [draft...]], ...]}}   (n-gram drafts, with LLMFUZZ_VLLM_DRAFTS)
     while running: {"event": "progress", "step": N} after every step (the runner's watchdog:
@@ -111,16 +113,22 @@ def _run(llm, cmd: dict, progress=None) -> dict:
     while pending or eng.has_unfinished_requests():
         while pending and int(pending[0].get("arrival_step", 0)) <= step:
             r = pending.pop(0)
-            sp = SamplingParams(temperature=0.0, max_tokens=int(r["max_tokens"]), logprobs=k,
-                                ignore_eos=True, detokenize=False,
+            kw = dict(r.get("sampling") or {"temperature": 0.0})
+            if kw.get("logit_bias"):
+                kw["logit_bias"] = {int(t): float(b) for t, b in kw["logit_bias"].items()}
+            sp = SamplingParams(max_tokens=int(r["max_tokens"]), logprobs=k, ignore_eos=True, detokenize=False,
                                 prompt_logprobs=int(pk) if pk is not None else None,
-                                output_kind=RequestOutputKind.FINAL_ONLY)
-            eng.add_request(str(r["id"]), {"prompt_token_ids": [int(t) for t in r["prompt_token_ids"]]}, sp)
+                                output_kind=RequestOutputKind.FINAL_ONLY, **kw)
+            prompt = {"prompt_token_ids": [int(t) for t in r["prompt_token_ids"]]}
+            if r.get("cache_salt") is not None:
+                prompt["cache_salt"] = str(r["cache_salt"])
+            eng.add_request(str(r["id"]), prompt, sp)
         if eng.has_unfinished_requests():
             for out in eng.step():
                 c = out.outputs[0]
                 results[out.request_id] = {"token_ids": [int(t) for t in c.token_ids],
-                                           "logprobs": _positions(c.logprobs)}
+                                           "logprobs": _positions(c.logprobs),
+                                           "num_cached_tokens": int(getattr(out, "num_cached_tokens", 0) or 0)}
                 if pk is not None:  # position 0 is None (nothing precedes the first token)
                     results[out.request_id]["prompt_logprobs"] = _positions((out.prompt_logprobs or [None])[1:])
         step += 1

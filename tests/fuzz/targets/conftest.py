@@ -32,6 +32,9 @@ FAKE = textwrap.dedent('''
     proto.write(json.dumps({"event": "ready", "startup_s": 0.0, "vllm_version": "fake"}) + "\\n")
     for line in sys.stdin:
         cmd = json.loads(line)
+        if os.environ.get("FAKE_LOG"):  # what the runner sent, for tests of the protocol
+            with open(os.environ["FAKE_LOG"], "a") as f:
+                f.write(line.strip() + "\\n")
         if cmd.get("cmd") == "exit":
             break
         if mode == "hang":
@@ -60,7 +63,8 @@ FAKE = textwrap.dedent('''
 def fake(tmp_path, monkeypatch):
     """make(mode, **VLLMRunner kwargs): a VLLMRunner whose worker is FAKE in `mode` (ok: answers
     token 7 always; crash; hang; raise_then_hang: a worker's ERROR traceback, then a hang;
-    nostart: a ValueError from vllm/engine/arg_utils.py)."""
+    nostart: a ValueError from vllm/engine/arg_utils.py). Every command the worker reads is
+    appended to $FAKE_LOG."""
     from fuzz.targets.vllm import launch
     from fuzz.targets.vllm.runner import VLLMRunner
 
@@ -70,6 +74,7 @@ def fake(tmp_path, monkeypatch):
     monkeypatch.setattr(launch, "vllm_python", lambda: sys.executable)  # VLLMRunner() without vLLM
     monkeypatch.setenv("LLMFUZZ_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("FAKE_MODE", "ok")
+    monkeypatch.setenv("FAKE_LOG", str(tmp_path / "fake_commands.jsonl"))
 
     def make(mode: str, **kw):
         monkeypatch.setenv("FAKE_MODE", mode)

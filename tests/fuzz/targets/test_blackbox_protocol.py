@@ -85,7 +85,7 @@ def test_the_vllm_runner_has_the_protocol_s_shape_without_vllm() -> None:
     check_structure(VLLMRunner)
     assert list(inspect.signature(VLLMRunner.run).parameters)[:4] == ["self", "case", "items", "prompt_logprobs"]
     assert list(inspect.signature(VLLMRunner.engine_key).parameters) == ["self", "case"]
-    assert VLLMRunner.supports_sampling is False and VLLMRunner.supports_prompt_logprobs is True
+    assert VLLMRunner.supports_sampling is True and VLLMRunner.supports_prompt_logprobs is True
 
 
 def test_the_transformers_cb_runner_has_the_protocol_s_shape_without_a_worker() -> None:

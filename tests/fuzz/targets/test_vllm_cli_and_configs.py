@@ -252,7 +252,9 @@ def test_startup_crash_is_shrunk_by_config_and_written_once_across_cells(fake, t
     # The plan is in the summary, and neither cell exercised its pairs (both died starting).
     assert [c["name"] for c in s["plan"]["configs"]] == ["tp2pp1-eager-b16-blk64", "tp2pp1-eager-blk128"]
     assert s["plan"]["pairs_covered"] > 0 and s["pairs_exercised"]["covered"] == 0
-    assert [x["ok"] for x in s["engine_starts"]][:1] == [False] and s["startup_fraction"] is not None
+    # (The starts before: the known crashes' reproducers, replayed to report their state.)
+    assert [x["ok"] for x in s["engine_starts"] if x["cell"].startswith("tp2")][:1] == [False]
+    assert s["startup_fraction"] is not None
 
 
 def test_prompt_logprobs_asked_for_unless_prefix_caching(fake):

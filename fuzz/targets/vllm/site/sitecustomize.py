@@ -16,7 +16,11 @@ process that never imports vLLM pays nothing.
   wrong draft from a rejected one.
 - Planted bugs (`LLMFUZZ_VLLM_PLANT`, for the tests that show a property catches them):
   `ngram_offbyone`: the n-gram proposer matches the window that ends one token early;
-  `hang_schedule:N`: the N-th `Scheduler.schedule` call sleeps forever in `planted_hang`.
+  `hang_schedule:N`: the N-th `Scheduler.schedule` call sleeps forever in `planted_hang`;
+  `seed_draw_per_row`: the CPU sampler draws from every seeded request's generator once per
+  row of the batch, not once for its own row (a generator advanced for rows it did not
+  sample: the batch changes a seeded request's tokens, each of which is still one its
+  params allow).
 """
 import faulthandler
 import importlib.abc
@@ -112,9 +116,26 @@ def _patch_scheduler(mod) -> None:
     mod.Scheduler.schedule = schedule
 
 
+def _patch_sampler(mod) -> None:
+    if _PLANT != "seed_draw_per_row":
+        return
+    import torch
+
+    orig = mod.TopKTopPSampler.forward_cpu
+
+    def forward_cpu(self, logits, generators, k, p):
+        for gen in generators.values():  # the planted bug: one extra draw per other row
+            for _ in range(logits.shape[0] - 1):
+                torch.randint(0, 2 ** 31, (1,), generator=gen, dtype=torch.long)
+        return orig(self, logits, generators, k, p)
+
+    mod.TopKTopPSampler.forward_cpu = forward_cpu
+
+
 _PATCHES = {"vllm.v1.worker.gpu_model_runner": _patch_runner,
             "vllm.v1.spec_decode.ngram_proposer": _patch_ngram,
-            "vllm.v1.core.sched.scheduler": _patch_scheduler}
+            "vllm.v1.core.sched.scheduler": _patch_scheduler,
+            "vllm.v1.sample.ops.topk_topp_sampler": _patch_sampler}
 
 
 class _Hook(importlib.abc.MetaPathFinder):
