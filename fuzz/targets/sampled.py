@@ -10,10 +10,12 @@ reference is teacher-forced on the target's own tokens, and
   (fuzz.verdict.oracles.sampling, which shares no code with either engine) on the
   reference's raw logits row and the token history: a greedy request's token is the argmax
   of the processed logits; a random one's is in the support left by top-k, top-p, min-p,
-  the bias and min_tokens. The target's token gets the benefit of the tolerance: its raw
+  the bias and min_tokens (which, on vLLM, masks the model's EOS too). The target's token gets the benefit of the tolerance: its raw
   logit is raised by it first, so another engine's rounding at a threshold is no failure.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 
@@ -32,7 +34,8 @@ def check_sampled(checker, case: Case, items: list, plain: set[str], test: Targe
                            checker.props.vs_reference, "reference (teacher-forced)")
     trace = checker.reference.trace(case, forced)
     for rid, spec in sampled.items():
-        bad = first_disallowed(spec, [rec.logits for rec in trace.tokens[rid]], forced[rid], lp_tol)
+        bad = first_disallowed(spec, [rec.logits for rec in trace.tokens[rid]], forced[rid], lp_tol,
+                               getattr(checker, "min_tokens_masks", ()))
         if bad is not None:
             raise checker.props.sampling(f"request {rid} position {bad[0]}: {checker.label} chose token "
                                          f"{forced[rid][bad[0]]}, {bad[1]} (params {spec.sampling.to_dict()})",
@@ -40,9 +43,13 @@ def check_sampled(checker, case: Case, items: list, plain: set[str], test: Targe
     return rep
 
 
-def first_disallowed(spec, rows, tokens: list[int], tol: float) -> tuple[int, str] | None:
-    """(position, why) of the first token `spec.sampling` does not allow, or None."""
+def first_disallowed(spec, rows, tokens: list[int], tol: float, min_tokens_masks=()) -> tuple[int, str] | None:
+    """(position, why) of the first token `spec.sampling` does not allow, or None.
+    `min_tokens_masks`: tokens the target masks under min_tokens besides the stop ids (vLLM:
+    the model's EOS, even with ignore_eos)."""
     params, prompt = spec.sampling, list(spec.prompt_token_ids)
+    if params.min_tokens and min_tokens_masks:  # for the masking only: the request still stops on its own ids
+        params = replace(params, stop_token_ids=tuple(sorted(set(params.stop_token_ids) | set(min_tokens_masks))))
     for i, (row, tok) in enumerate(zip(rows, tokens)):
         raw = row.double().numpy().copy()
         raw[tok] += tol

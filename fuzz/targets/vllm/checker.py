@@ -94,6 +94,9 @@ def violation_for(failure: TargetFailure, case: Case) -> VLLMCrash:
     return PROPERTIES.failure(failure, case)
 
 
+LLAMA_DEFAULT_EOS = 2
+
+
 class VLLMChecker(BlackBoxChecker):
     """fuzz.targets.blackbox.BlackBoxChecker on a VLLMRunner, with vLLM's options and its own
     property: n-gram drafts (`vllm_draft`, counted per cell in `draft_stats`).
@@ -113,6 +116,10 @@ class VLLMChecker(BlackBoxChecker):
                          solo_cache_size=solo_cache_size, transformers=transformers,
                          prompt_logprobs=prompt_logprobs, label="vLLM", props=PROPERTIES, half_rule=half_rule)
         self.draft_stats: dict[str, DraftStats] = {}  # per cell name: drafts, acceptance
+        # vLLM's min_tokens masks the model's EOS as well as the stop ids, ignore_eos or not
+        # (SamplingParams.update_from_generation_config): our checkpoints' config.json names no
+        # EOS, so vLLM takes LlamaConfig's default, 2.
+        self.min_tokens_masks = (LLAMA_DEFAULT_EOS,)
         # per cell name: what the batch runs asked and got of the prefix cache, and how they sampled
         self.mix_stats: dict[str, dict[str, int]] = {}
 

@@ -130,7 +130,7 @@ class VLLMTarget(Target):
 
         spare = (lambda cfg, wl: wl) if self.include_known else spare_known
         return config_cells(self.configs, cell_name, self.max_requests, sampling=True,
-                            adapt=lambda cfg, wl: spare(cfg, without_stop_sequences(wl)))
+                            adapt=lambda cfg, wl: spare(cfg, vllm_workload(cfg, wl)))
 
     def check(self, case):
         """The checker's verdict; a start-up failure kept by `start` is raised as this
@@ -313,13 +313,20 @@ class VLLMTarget(Target):
             self._checker.close()
 
 
-def without_stop_sequences(wl: Workload) -> Workload:
-    """The workload with its stop sequences of token ids dropped: vLLM without a tokenizer has
-    no counterpart (launch.request_payload); stop token ids stay."""
-    def strip(r: RequestSpec) -> RequestSpec:
+def vllm_workload(cfg, wl: Workload) -> Workload:
+    """The workload as vLLM takes it: stop sequences of token ids dropped (vLLM without a
+    tokenizer has no counterpart: launch.request_payload; stop token ids stay), and with
+    speculative decoding no logit bias or min_p (vLLM refuses them there:
+    SamplingParams._validate_spec_decode)."""
+    spec = cfg.speculative_method != "none"
+
+    def fit(r: RequestSpec) -> RequestSpec:
         p = r.sampling
-        return r if p is None or not p.stop_sequences else replace(r, sampling=replace(p, stop_sequences=()))
-    return replace(wl, requests=tuple(strip(r) for r in wl.requests))
+        if p is None:
+            return r
+        q = replace(p, stop_sequences=(), **({"logit_bias": (), "min_p": 0.0} if spec else {}))
+        return r if q == p else replace(r, sampling=q)
+    return replace(wl, requests=tuple(fit(r) for r in wl.requests))
 
 
 # The exception types vLLM's config checks raise to refuse a combination: such a start-up is an

@@ -10,7 +10,7 @@ from fuzz.errors import BadInput
 from fuzz.targets.runs import RequestResult, TargetRun
 from fuzz.targets.vllm.checker import mix_counts, vllm_case
 from fuzz.targets.vllm.launch import request_payload
-from fuzz.targets.vllm.target import without_stop_sequences
+from fuzz.targets.vllm.target import vllm_workload
 
 
 def test_a_requests_params_become_vllms_fields_of_the_same_names():
@@ -33,11 +33,18 @@ def test_what_vllm_cannot_take_is_refused_in_one_line_before_any_engine():
         request_payload("r0", RequestSpec((1, 2, 3), 4, sampling=dict(temperature=1.0, n=2)))
 
 
-def test_the_cells_drop_stop_sequences_and_keep_everything_else():
-    keep = RequestSpec((1, 2), 3, sampling=dict(temperature=1.0, seed=3, stop_token_ids=(5,)))
+def test_the_cells_drop_what_vllm_refuses_and_keep_everything_else():
+    from fuzz.targets.vllm.configs import VLLM_MODEL
+
+    keep = RequestSpec((1, 2), 3, sampling=dict(temperature=1.0, seed=3, stop_token_ids=(5,), min_p=0.05,
+                                                logit_bias={4: 1.0}))
     only = RequestSpec((1, 2), 3, sampling=dict(stop_sequences=((1, 2),)))
-    wl = without_stop_sequences(Workload((keep, only, RequestSpec((4,), 2))))
+    wl = vllm_workload(VLLM_MODEL, Workload((keep, only, RequestSpec((4,), 2))))
     assert wl.requests[0] == keep and wl.requests[1].sampling is None and wl.requests[2] == RequestSpec((4,), 2)
+    # With speculative decoding vLLM refuses a logit bias and min_p: they go, the rest stays.
+    spec = vllm_workload(VLLM_MODEL.replace(speculative_method="ngram", num_speculative_tokens=2), Workload((keep,)))
+    p = spec.requests[0].sampling
+    assert (p.logit_bias, p.min_p, p.seed, p.stop_token_ids) == ((), 0.0, 3, (5,))
 
 
 def test_a_runs_mix_counts_cached_tokens_and_sampled_requests():
@@ -130,6 +137,23 @@ def test_sampled_requests_pass_and_the_prefix_cache_hits(tmp_path):
 
 
 @pytest.mark.vllm
+def test_min_tokens_masks_vllms_eos_too(tmp_path):
+    """vLLM's min_tokens masks the model's EOS (2, LlamaConfig's default) beside the stop ids,
+    even with ignore_eos: the sampling check knows (a campaign's first false failure here:
+    token 2 was the penalised argmax at the first position)."""
+    pytest.importorskip("vllm")
+    from fuzz.targets.vllm.checker import VLLMChecker
+    from fuzz.targets.vllm.runner import VLLMRunner
+
+    c = VLLMChecker(VLLMRunner(spare=False, log_dir=str(tmp_path)), transformers=False, batch_invariance=False)
+    try:
+        c.check(vllm_case(Workload((RequestSpec((1, 2, 0, 2, 2, 0, 1), 7, sampling=dict(
+            frequency_penalty=1.5, min_tokens=7, presence_penalty=-1.0, repetition_penalty=0.8, stop_token_ids=(1,))),))))
+    finally:
+        c.close()
+
+
+@pytest.mark.vllm
 @pytest.mark.slow  # two engines
 def test_planted_seed_draw_per_row_is_caught_by_the_seeded_solo_check_only(tmp_path, monkeypatch):
     pytest.importorskip("vllm")
@@ -165,3 +189,50 @@ def test_a_seeded_request_whose_prompt_is_chunked_crashes_vllm_cpu(tmp_path):
             c.check(case)
     finally:
         c.close()
+
+
+def _planted_check(tmp_path, monkeypatch, plant: str, case):
+    from fuzz.targets.vllm.checker import VLLMChecker
+    from fuzz.targets.vllm.runner import VLLMRunner
+
+    monkeypatch.setenv("LLMFUZZ_VLLM_PLANT", plant)
+    c = VLLMChecker(VLLMRunner(spare=False, log_dir=str(tmp_path / plant)), transformers=False)
+    try:
+        return c.check(case)
+    finally:
+        c.close()
+
+
+# Two prompts of two blocks (vLLM's block here: 32 tokens) that differ only in block 0's last token.
+_A = tuple((7 * i + 3) % 200 + 1 for i in range(64))
+_B = _A[:31] + (_A[31] + 1,) + _A[32:]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow  # two engines
+def test_planted_prefix_hit_on_another_prompts_block_is_caught_against_the_reference(tmp_path, monkeypatch):
+    pytest.importorskip("vllm")
+    from fuzz.targets.vllm.checker import VLLMvsReference
+    from fuzz.targets.vllm.configs import VLLMOptions
+
+    case = vllm_case(Workload((RequestSpec(_A, 4), RequestSpec(_B, 4, arrival_step=2))),
+                     opts=VLLMOptions(enable_prefix_caching=True))
+    _planted_check(tmp_path, monkeypatch, "", case)  # clean: B misses (its block 0 differs) and passes
+    with pytest.raises(VLLMvsReference, match="r1"):
+        _planted_check(tmp_path, monkeypatch, "prefix_hash_ignores_last_token", case)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow  # two engines
+def test_planted_penalties_on_another_requests_history_are_caught_by_the_sampling_check(tmp_path, monkeypatch):
+    """Raw logprobs stay right (the reference comparison passes); only the processed argmax,
+    recomputed from each request's own history, sees whose tokens were counted."""
+    pytest.importorskip("vllm")
+    from fuzz.targets.vllm.checker import VLLMSampling
+
+    pen = dict(frequency_penalty=2.0, presence_penalty=2.0, repetition_penalty=2.0)
+    case = vllm_case(Workload((RequestSpec((5, 9, 14), 10, sampling=pen), RequestSpec((80, 81, 120, 33), 10, sampling=pen),
+                               RequestSpec((1, 2, 3), 6))))
+    _planted_check(tmp_path, monkeypatch, "", case)
+    with pytest.raises(VLLMSampling, match="not the argmax of the processed logits"):
+        _planted_check(tmp_path, monkeypatch, "penalties_rows_reversed", case)

@@ -20,7 +20,12 @@ process that never imports vLLM pays nothing.
   `seed_draw_per_row`: the CPU sampler draws from every seeded request's generator once per
   row of the batch, not once for its own row (a generator advanced for rows it did not
   sample: the batch changes a seeded request's tokens, each of which is still one its
-  params allow).
+  params allow);
+  `prefix_hash_ignores_last_token`: a full block's prefix-cache hash leaves out its last
+  token, so a prompt that differs from a cached one only there hits the other's KV;
+  `penalties_rows_reversed`: the sampler's penalties count the output tokens of the batch's
+  rows in reverse order (each request penalised by another's history, as after a reorder
+  that moved the rows but not their state).
 """
 import faulthandler
 import importlib.abc
@@ -132,10 +137,35 @@ def _patch_sampler(mod) -> None:
     mod.TopKTopPSampler.forward_cpu = forward_cpu
 
 
+def _patch_block_hash(mod) -> None:
+    if _PLANT != "prefix_hash_ignores_last_token":
+        return
+    orig = mod.hash_block_tokens
+
+    def hash_block_tokens(hash_function, parent_block_hash, curr_block_token_ids, extra_keys=None):
+        tokens = tuple(curr_block_token_ids)
+        return orig(hash_function, parent_block_hash, tokens[:-1] + (0,) if tokens else tokens, extra_keys)
+
+    mod.hash_block_tokens = hash_block_tokens
+
+
+def _patch_penalties(mod) -> None:
+    if _PLANT != "penalties_rows_reversed":
+        return
+    orig = mod.apply_all_penalties
+
+    def apply_all_penalties(logits, prompt_token_ids, presence, frequency, repetition, output_token_ids, *a, **kw):
+        return orig(logits, prompt_token_ids, presence, frequency, repetition, list(output_token_ids)[::-1], *a, **kw)
+
+    mod.apply_all_penalties = apply_all_penalties
+
+
 _PATCHES = {"vllm.v1.worker.gpu_model_runner": _patch_runner,
             "vllm.v1.spec_decode.ngram_proposer": _patch_ngram,
             "vllm.v1.core.sched.scheduler": _patch_scheduler,
-            "vllm.v1.sample.ops.topk_topp_sampler": _patch_sampler}
+            "vllm.v1.sample.ops.topk_topp_sampler": _patch_sampler,
+            "vllm.v1.core.kv_cache_utils": _patch_block_hash,
+            "vllm.v1.sample.sampler": _patch_penalties}
 
 
 class _Hook(importlib.abc.MetaPathFinder):
