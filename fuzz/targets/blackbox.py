@@ -12,7 +12,11 @@ The runner protocol
 - `engine_key(case) -> str`: equal for Cases that run on the same engine (solo runs are cached by it).
 - `close()`.
 Optional attributes (absent: False): `supports_sampling` (it honours `RequestSpec.sampling`;
-else a Case whose requests have sampling params is refused) and `supports_prompt_logprobs`.
+else a Case whose requests have sampling params is refused), `supports_prompt_logprobs` and
+`supports_aborts` (it aborts a request before driver step `abort_step` and names it in
+`TargetRun.aborted`; an aborted request's output is left unchecked, every other request is
+checked as if it had never been there, and the KV pool's free blocks, where the run reports
+them, must be the same after the run as before).
 
 Properties, named `<target>_<kind>` (e.g. `vllm_crash`), each a kind of fuzz.verdict.properties'
 Violations, so shrinking and reproducers work: `crash` / `hang`; `fa_invariants` (a
@@ -91,9 +95,15 @@ class TargetSampling(SamplingViolation):
     property = "target_sampling"
 
 
+class TargetBlocks(EngineViolation):
+    """KV blocks lost: fewer free blocks in the target's pool after a run than before it."""
+
+    property = "target_blocks"
+
+
 KINDS = {"crash": TargetCrash, "hang": TargetHang, "fa_invariants": TargetFAInvariants, "greedy": TargetGreedy, "vs_reference": TargetVsReference,
          "batch_invariance": TargetBatchInvariance, "vs_transformers": TargetVsTransformers,
-         "sampling": TargetSampling}
+         "sampling": TargetSampling, "blocks": TargetBlocks}
 
 
 @dataclass(frozen=True)
@@ -108,6 +118,7 @@ class Properties:
     batch_invariance: type
     vs_transformers: type
     sampling: type
+    blocks: type
 
     def failure(self, f: TargetFailure, case: Case):
         return {"hang": self.hang, "fa_invariants": self.fa_invariants}.get(f.kind, self.crash)(f, case)
@@ -229,9 +240,10 @@ class BlackBoxChecker:
         if case.faults:
             raise BadInput(f"{self.name}: faults are our engine's bug seams; a black-box target runs none "
                            f"(got {list(case.faults)})")
-        if any(r.abort_step is not None for r in case.workload.requests):
-            raise BadInput(f"{self.name}: aborts are driven step by step by our harness; a black-box target "
-                           "runs none (draw Cases with llmfuzz.cases)")
+        if not getattr(self.runner, "supports_aborts", False) and any(
+                r.abort_step is not None for r in case.workload.requests):
+            raise BadInput(f"{self.name}: the target does not abort requests (supports_aborts is False); "
+                           "draw Cases without aborts")
         if not getattr(self.runner, "supports_sampling", False) and any(
                 r.sampling is not None for r in case.workload.requests):
             raise BadInput(f"{self.name}: the target does not take sampling params (supports_sampling is "
@@ -260,10 +272,14 @@ class BlackBoxChecker:
     def check(self, case: Case) -> BlackBoxVerdict:
         case = self.prepare(case)
         t0 = time.perf_counter()
+        # An aborted request is not compared: what it made before its abort is timing (the
+        # reference aborts it at its own step; the others' outputs do not depend on it there).
         ref = self.reference.run(case)
         lp_tol = self.tolerance(case)
         test = self.run(case, prompt_logprobs=self.wants_prompt_logprobs(case))
-        items = engine_items(case)
+        self._check_blocks(case, test)
+        abort_ids = {rid for rid, spec in engine_items(case) if spec.abort_step is not None}
+        items = [(rid, spec) for rid, spec in engine_items(case) if rid not in abort_ids]
         plain = {rid for rid, spec in items if is_plain(spec)}
         got = {rid: r for rid, r in test.results.items() if rid in plain}
         try:
@@ -287,6 +303,15 @@ class BlackBoxChecker:
         rep = oracles["reference"]
         return BlackBoxVerdict(case, LogitsReport("reference", rep.max_lp_error, lp_tol, rep.positions), oracles, 0,
                                test.steps, 0, len(case.workload.requests), time.perf_counter() - t0, seconds)
+
+    def _check_blocks(self, case: Case, test: TargetRun) -> None:
+        """Blocks come back: with every request finished or aborted, the KV pool has as many
+        free blocks as before the run (a block an aborted or finished request kept is lost to
+        every later request)."""
+        before, after = test.free_blocks
+        if before is not None and after is not None and after != before:
+            raise self.props.blocks(f"the KV pool had {before} free blocks before the run and {after} after it "
+                                    f"(aborted: {sorted(test.aborted) or 'none'})", case)
 
     def tolerance(self, case: Case) -> float:
         """The Case's logprob bound: in half precision k x the noise our engine makes in that

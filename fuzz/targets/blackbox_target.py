@@ -17,7 +17,7 @@ from dataclasses import replace
 from hypothesis import strategies as st
 
 from fuzz.cases.case import Case, RequestSpec, Workload
-from fuzz.cases.strategies import DEFAULT_LAYOUTS, FUZZ_MODEL, engine_configs, workloads
+from fuzz.cases.strategies import DEFAULT_LAYOUTS, FUZZ_MODEL, aborts, engine_configs, workloads
 from fuzz.targets.base import Cell, Target
 
 
@@ -35,16 +35,19 @@ def _on(template: Case):
     return lambda wl: replace(template, workload=wl)
 
 
-def config_cells(configs, name, max_requests: int = 8, sampling: bool = False, adapt=None) -> list[Cell]:
+def config_cells(configs, name, max_requests: int = 8, sampling: bool = False, adapt=None,
+                 with_aborts: bool = False) -> list[Cell]:
     """One cell per planned config (`configs`: (EngineConfig, options) pairs, the options'
     `on(case)` making the Case the target's; `name(cfg, opts)`: the cell's name): Hypothesis
-    draws workloads (fuzz.cases.strategies.workloads, with sampling params when `sampling`,
-    then through `adapt(cfg, workload)` if given: what the target cannot take, taken out) on
+    draws workloads (fuzz.cases.strategies.workloads, with sampling params when `sampling`, an
+    abort when `with_aborts` (fuzz.cases.strategies.aborts), then through `adapt(cfg, workload)` if given: what the target cannot take, taken out) on
     that config; `data` is the template Case (the config and options the engine starts with)."""
     out = []
     for cfg, opts in configs:
         template = opts.on(Case(cfg, Workload((RequestSpec((1,), 1),))))
         drawn = workloads(cfg, max_requests, sampling=sampling)
+        if with_aborts:  # one request aborted a few driver steps after it arrives, in some Cases
+            drawn = drawn.flatmap(lambda wl, cfg=cfg: aborts(cfg, wl))
         if adapt is not None:
             drawn = drawn.map(lambda wl, cfg=cfg: adapt(cfg, wl))
         out.append(Cell(name(cfg, opts), drawn.map(_on(template)), template))

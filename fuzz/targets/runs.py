@@ -32,6 +32,8 @@ class TargetRun:
     results: dict[str, RequestResult]
     seconds: float = 0.0
     steps: int = 0
+    aborted: dict[str, int] = field(default_factory=dict)  # request -> driver step it was aborted before
+    free_blocks: tuple[int | None, int | None] = (None, None)  # the KV pool's free blocks before, after
 
 
 class TargetFailure(Exception):

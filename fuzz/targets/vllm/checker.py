@@ -159,12 +159,14 @@ class VLLMChecker(BlackBoxChecker):
 
 def mix_counts(case: Case, test: TargetRun) -> dict[str, int]:
     """What one batch run exercised: prompt tokens and those the prefix cache served
-    (vLLM's num_cached_tokens), requests, and those with sampling params (random ones apart)."""
+    (vLLM's num_cached_tokens), requests, those with sampling params (random ones apart), and
+    the requests aborted while unfinished."""
     items = [(rid, r) for rid, r in engine_items(case) if rid in test.results]
     return {"prompt_tokens": sum(len(r.prompt_token_ids) for _, r in items),
             "cached_tokens": sum(test.results[rid].num_cached_tokens for rid, _ in items),
             "requests": len(items), "sampled": sum(r.sampling is not None for _, r in items),
-            "random": sum(r.sampling is not None and r.sampling.temperature > 0 for _, r in items)}
+            "random": sum(r.sampling is not None and r.sampling.temperature > 0 for _, r in items),
+            "aborted": len(test.aborted)}
 
 
 def vllm_case(workload: Workload | list[tuple[list[int], int]], base=VLLM_MODEL,

@@ -75,6 +75,8 @@ def request_payload(rid: str, r: RequestSpec) -> dict:
            "arrival_step": r.arrival_step}
     if r.cache_salt is not None:
         out["cache_salt"] = r.cache_salt
+    if r.abort_step is not None:  # between driver steps: vLLM's step is one synchronous call here
+        out["abort_step"] = r.abort_step
     p = r.sampling
     if p is None:
         return out

@@ -90,6 +90,7 @@ class VLLMRunner:
     # -- engine lifecycle -------------------------------------------------------------------
     # The black-box runner protocol (fuzz.targets.blackbox): run, engine_key, close.
     supports_sampling = True  # launch.request_payload: vLLM's own SamplingParams, ignore_eos
+    supports_aborts = True  # worker.py aborts a request before a driver step
     supports_prompt_logprobs = True
 
     def engine_key(self, case: Case) -> str:
@@ -322,6 +323,8 @@ class VLLMRunner:
                 tuple(r["token_ids"]), tuple(tuple((int(t), float(lp)) for t, lp in pos) for pos in r["logprobs"]),
                 tuple(tuple((int(t), float(lp)) for t, lp in pos) for pos in r.get("prompt_logprobs") or ()),
                 int(r.get("num_cached_tokens") or 0))
-        run = TargetRun(results, float(reply["seconds"]), int(reply["steps"]))
+        fb = reply.get("free_blocks") or (None, None)
+        run = TargetRun(results, float(reply["seconds"]), int(reply["steps"]), dict(reply.get("aborted") or {}),
+                        (fb[0], fb[1]))
         self.last_drafts = reply.get("drafts") or {}
         return run

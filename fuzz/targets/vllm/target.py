@@ -129,7 +129,7 @@ class VLLMTarget(Target):
         from fuzz.targets.vllm.known import spare_known
 
         spare = (lambda cfg, wl: wl) if self.include_known else spare_known
-        return config_cells(self.configs, cell_name, self.max_requests, sampling=True,
+        return config_cells(self.configs, cell_name, self.max_requests, sampling=True, with_aborts=True,
                             adapt=lambda cfg, wl: spare(cfg, vllm_workload(cfg, wl)))
 
     def check(self, case):

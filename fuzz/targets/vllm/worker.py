@@ -16,21 +16,25 @@ tracebacks from).
     worker: the runner starts the next config's worker while the current one is fuzzed, so
     the ~7-16 s import of vLLM is off the critical path)
     -> {"event": "ready", "startup_s": S, "import_s": S, "vllm_version": V, "vllm_file": F}   or   {"event": "error", ...}
-    {"cmd": "run", "requests": [{"id", "prompt_token_ids", "max_tokens", "arrival_step",
+    {"cmd": "run", "requests": [{"id", "prompt_token_ids", "max_tokens", "arrival_step", "abort_step"?,
                                  "cache_salt"?, "sampling"?: {SamplingParams field: value}}],
      "logprobs": K, "prompt_logprobs": K or null}
     -> {"event": "result", "seconds": S, "steps": N,
         "results": {id: {"token_ids": [...], "logprobs": [[[tok, logprob], ...], ...],
                          "num_cached_tokens": N,   (prompt tokens the prefix cache served)
                          "prompt_logprobs": [...]}},   (prompt tokens 1.., when asked for)
-        "drafts": {id: [[n, k, [draft...]], ...]}}   (n-gram drafts, with LLMFUZZ_VLLM_DRAFTS)
+        "drafts": {id: [[n, k, [draft...]], ...]},   (n-gram drafts, with LLMFUZZ_VLLM_DRAFTS)
+        "aborted": {id: step},   (requests aborted before that driver step, still unfinished then)
+        "free_blocks": [before, after]}   (the KV pool's free blocks around the run; null if unknown)
     while running: {"event": "progress", "step": N} after every step (the runner's watchdog:
     no progress for a while is a hang, and every process's stack is dumped)
     {"cmd": "exit"}
 
 A request with `arrival_step` a > 0 is added just before the driver's (a+1)-th call of
 `LLMEngine.step()` (a driver step is one engine-core output), so requests arrive while
-others run, as in the reference engine's driver. An exception in `run` is replied with its
+others run, as in the reference engine's driver; one with `abort_step` b is aborted
+(`LLMEngine.abort_request`) just before the (b+1)-th call, after that step's arrivals, unless
+it has finished. An exception in `run` is replied with its
 traceback and the process exits: the engine's state is unknown after it.
 """
 from __future__ import annotations
@@ -98,6 +102,15 @@ def _draft_offsets() -> dict:
     return {os.path.join(d, n): os.path.getsize(os.path.join(d, n)) for n in os.listdir(d)}
 
 
+def _free_blocks(eng):
+    """The KV blocks free in the engine core's pool (None where the core runs in another
+    process, or vLLM keeps it elsewhere)."""
+    try:
+        return int(eng.engine_core.engine_core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
+    except AttributeError:
+        return None
+
+
 def _run(llm, cmd: dict, progress=None) -> dict:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -106,7 +119,10 @@ def _run(llm, cmd: dict, progress=None) -> dict:
     k = int(cmd.get("logprobs", 5))
     pk = cmd.get("prompt_logprobs")
     pending = sorted(cmd["requests"], key=lambda r: int(r.get("arrival_step", 0)))
+    aborts = sorted((int(r["abort_step"]), str(r["id"])) for r in cmd["requests"] if r.get("abort_step") is not None)
     results: dict = {}
+    aborted: dict = {}  # request -> the driver step before which it was aborted
+    free_before = _free_blocks(eng)
     t0 = time.perf_counter()
     offsets = _draft_offsets()
     step = 0
@@ -123,6 +139,11 @@ def _run(llm, cmd: dict, progress=None) -> dict:
             if r.get("cache_salt") is not None:
                 prompt["cache_salt"] = str(r["cache_salt"])
             eng.add_request(str(r["id"]), prompt, sp)
+        while aborts and aborts[0][0] <= step:  # after the step's arrivals, as the reference engine's driver
+            rid = aborts.pop(0)[1]
+            if rid not in results:
+                eng.abort_request([rid])
+                aborted[rid] = step
         if eng.has_unfinished_requests():
             for out in eng.step():
                 c = out.outputs[0]
@@ -135,7 +156,8 @@ def _run(llm, cmd: dict, progress=None) -> dict:
         if progress is not None:
             progress(step)
     return {"event": "result", "seconds": time.perf_counter() - t0, "steps": step, "results": results,
-            "drafts": _drafts_since(offsets)}
+            "drafts": _drafts_since(offsets), "aborted": aborted,
+            "free_blocks": [free_before, _free_blocks(eng)]}
 
 
 def main() -> int:

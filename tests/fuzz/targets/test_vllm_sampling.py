@@ -53,7 +53,7 @@ def test_a_runs_mix_counts_cached_tokens_and_sampled_requests():
     res = lambda cached: RequestResult((1,), (((1, -0.1),),), (), cached)  # noqa: E731
     run = TargetRun({"r0": res(0), "0_r1": res(8), "1_r1": res(8), "r2": res(0)})
     assert mix_counts(case, run) == {"prompt_tokens": 25, "cached_tokens": 16, "requests": 4, "sampled": 3,
-                                     "random": 2}
+                                     "random": 2, "aborted": 0}
 
 
 def test_the_runner_sends_the_engine_requests_with_their_params(fake):
@@ -236,3 +236,33 @@ def test_planted_penalties_on_another_requests_history_are_caught_by_the_samplin
     _planted_check(tmp_path, monkeypatch, "", case)
     with pytest.raises(VLLMSampling, match="not the argmax of the processed logits"):
         _planted_check(tmp_path, monkeypatch, "penalties_rows_reversed", case)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow  # two engines
+def test_an_abort_leaves_the_others_checked_and_its_blocks_back_and_a_leak_is_caught(tmp_path, monkeypatch):
+    """vLLM aborts r1 before driver step 2: the others pass every property and the pool's free
+    blocks after the run equal those before; with `abort_keeps_blocks` planted (an aborted
+    request's blocks never return) only `vllm_blocks` sees it."""
+    pytest.importorskip("vllm")
+    from fuzz.targets.vllm.checker import VLLMChecker
+    from fuzz.targets.vllm.runner import VLLMRunner
+
+    wl = Workload((RequestSpec(tuple(range(3, 60)), 6), RequestSpec(tuple(range(80, 140)), 8, abort_step=2),
+                   RequestSpec((1, 2, 3), 6, arrival_step=1)))
+    c = VLLMChecker(VLLMRunner(spare=False, log_dir=str(tmp_path / "clean")), transformers=False)
+    try:
+        c.check(vllm_case(wl))
+        run = c.runner.run(vllm_case(wl))
+        assert run.aborted == {"r1": 2} and "r1" not in run.results
+        assert run.free_blocks[0] is not None and run.free_blocks[0] == run.free_blocks[1]
+    finally:
+        c.close()
+    monkeypatch.setenv("LLMFUZZ_VLLM_PLANT", "abort_keeps_blocks")
+    c = VLLMChecker(VLLMRunner(spare=False, log_dir=str(tmp_path / "leak")), transformers=False)
+    try:
+        with pytest.raises(Exception) as ei:
+            c.check(vllm_case(wl))
+        assert ei.value.property == "vllm_blocks" and "aborted: ['r1']" in str(ei.value)
+    finally:
+        c.close()

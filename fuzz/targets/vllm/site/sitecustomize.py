@@ -25,7 +25,8 @@ process that never imports vLLM pays nothing.
   token, so a prompt that differs from a cached one only there hits the other's KV;
   `penalties_rows_reversed`: the sampler's penalties count the output tokens of the batch's
   rows in reverse order (each request penalised by another's history, as after a reorder
-  that moved the rows but not their state).
+  that moved the rows but not their state);
+  `abort_keeps_blocks`: the scheduler never returns an aborted request's KV blocks to the pool.
 """
 import faulthandler
 import importlib.abc
@@ -107,6 +108,16 @@ def _patch_ngram(mod) -> None:
 
 
 def _patch_scheduler(mod) -> None:
+    if _PLANT == "abort_keeps_blocks":
+        free = mod.Scheduler._free_request_blocks
+
+        def _free_request_blocks(self, request):
+            if str(request.status).endswith("ABORTED"):  # the planted bug: an aborted request's blocks leak
+                return
+            return free(self, request)
+
+        mod.Scheduler._free_request_blocks = _free_request_blocks
+        return
     if not _PLANT.startswith("hang_schedule:"):
         return
     at, calls = int(_PLANT.split(":", 1)[1]), [0]
