@@ -3,6 +3,8 @@ vLLM (fuzz/targets/vllm/launch.py's request_payload), what the cells draw, what 
 then, where vLLM is installed, real runs with sampling checked by the independent sampler."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from fuzz.cases.case import RequestSpec, Workload
@@ -87,6 +89,9 @@ def test_known_workload_crash_is_drawn_around_only_where_a_prefill_may_be_chunke
     spared = spare_known(cfg, chunked)
     assert spared.requests[0].sampling.seed is None and spared.requests[0].sampling.temperature == 1.0
     assert spared.requests[1:] == chunked.requests[1:]
+    # n = 2 prefills the prompt twice: 2 x 7 + 3 = 17 > 16.
+    twice = Workload((replace(seeded, sampling=replace(seeded.sampling, n=2)), greedy_seeded))
+    assert spare_known(cfg, twice).requests[0].sampling.seed is None
 
 
 def test_a_campaign_reports_the_known_workload_crash_with_what_it_does_not_draw(fake, tmp_path, capsys):
