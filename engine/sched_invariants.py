@@ -23,6 +23,9 @@ each has) plus each request's prompt length and max_tokens as it was added, and 
     output oracle sees a scheduler that never verifies what was proposed. The budget left at
     a request is what the requests before it in the microbatch (the scheduler's order, which
     num_scheduled_tokens keeps) did not take: a request already scheduled is never preempted;
+  - a request holds no more KV blocks than the furthest position it was scheduled to needs
+    (with EAGLE's lookahead); an over-allocation computes the same tokens with fewer blocks
+    left for the others;
   - the budget is not left idle: a microbatch with tokens to spare schedules every held
     request that has no step in flight, each for every token the ranks know of it, unless the
     KV pool turned an allocation down meanwhile (the driver says so, from the KV manager). A scheduler that wastes budget computes the same tokens in more steps, which
@@ -44,6 +47,10 @@ class ScheduleLimits:
         self.held: set[str] = set()  # requests the ranks hold now
         self.known: dict[str, int] = {}  # tokens the ranks know of each held request
         self.proposed: dict[str, tuple[int, list[int]]] = {}  # request -> (tokens seen, drafts)
+        self.blocks: dict[str, int] = {}  # KV blocks the ranks know each held request has
+        self.reached: dict[str, int] = {}  # the furthest position each was scheduled to
+        # EAGLE's draft steps write KV past the scheduled tokens (the scheduler's lookahead).
+        self.lookahead = cfg.num_speculative_tokens if cfg.speculative_method == "eagle" else 0
 
     def add_request(self, req_id: str, prompt_len: int, max_tokens: int) -> None:
         self.added[req_id] = (prompt_len, max_tokens)
@@ -79,6 +86,9 @@ class ScheduleLimits:
             if problem:
                 return f"{mb}: request {rid}: {problem}"
             used += n
+            problem = self._check_blocks(rid, starts[rid] + n)
+            if problem:
+                return f"{mb}: request {rid}: {problem}"
         idle = None if pool_short else self._check_work_conserving(so, starts, in_flight)
         return f"{mb}: {idle}" if idle else None
 
@@ -112,21 +122,35 @@ class ScheduleLimits:
                     f"of the budget were left, so {want}")
         return None
 
+    def _check_blocks(self, rid: str, end: int) -> str | None:
+        """No more KV blocks than the furthest position scheduled needs (its lookahead
+        included, within max_model_len): a block past it is taken from every other request.
+        Rejected drafts keep their blocks, so the furthest position ever, not the current one."""
+        cfg = self.cfg
+        self.reached[rid] = max(self.reached.get(rid, 0), end)
+        need = -(-min(self.reached[rid] + self.lookahead, cfg.max_model_len) // cfg.block_size)
+        if self.blocks[rid] > need:
+            return (f"holds {self.blocks[rid]} KV blocks; position {self.reached[rid]} (+{self.lookahead} "
+                    f"lookahead) needs {need} of {cfg.block_size} tokens")
+        return None
+
     def _update_held(self, so: SchedulerOutput) -> dict[str, int] | str:
         """Apply the microbatch to the ranks' view (drops first: a request finished or
         preempted may be readmitted in the same microbatch); return each scheduled request's
         computed tokens before this step."""
         self.held -= so.finished_req_ids | so.preempted_req_ids
         starts: dict[str, int] = {}
-        for nr in so.scheduled_new_reqs:
+        for nr in so.scheduled_new_reqs:  # (re)admitted: its whole block list, from scratch
             self.held.add(nr.req_id)
             self.known[nr.req_id] = len(nr.token_ids)
             starts[nr.req_id] = nr.num_computed_tokens
+            self.blocks[nr.req_id], self.reached[nr.req_id] = len(nr.block_ids), 0
         c = so.scheduled_cached_reqs
-        for rid, new_ids, start in zip(c.req_ids, c.new_token_ids, c.num_computed_tokens):
+        for rid, new_ids, new_blocks, start in zip(c.req_ids, c.new_token_ids, c.new_block_ids, c.num_computed_tokens):
             if rid not in self.held or rid in starts:
                 return f"request {rid} is scheduled as cached but the ranks do not hold it"
             self.known[rid] += len(new_ids)
+            self.blocks[rid] += len(new_blocks)
             starts[rid] = start
         return starts
 

@@ -225,6 +225,32 @@ def test_wasted_budget_is_caught_and_otherwise_bitwise_invisible(engine, monkeyp
     assert _bitwise_equal(clean, faulty)
 
 
+def test_blocks_past_the_furthest_position_are_named():
+    lim = _limits(("a", 4, 10))  # block size 4 (FUZZ_MODEL)
+    new = NewRequestData("a", [1] * 6, [1, 2], 0)
+    ok = SchedulerOutput(0, [new], CachedRequestData(), {"a": 6}, 6, set(), set(), {})
+    assert lim.check(ok) is None
+    over = CachedRequestData(["a"], [[7]], [[3, 4]], [6])  # 2 more blocks for 1 more token: 7 needs 2
+    assert "holds 4 KV blocks; position 7 (+0 lookahead) needs 2 of 4 tokens" in \
+        lim.check(SchedulerOutput(1, [], over, {"a": 1}, 1, set(), set(), {}), in_flight=set())
+
+
+def test_over_allocation_is_caught_and_otherwise_bitwise_invisible(engine, monkeypatch):
+    """Every allocation taking one slot more than its tokens and lookahead (the off-by-one in
+    Scheduler._with_lookahead) computes the same tokens holding more blocks: only the blocks
+    check sees it."""
+    from engine.scheduler import Scheduler
+
+    clean, _ = _run(engine, prompts=(4, 4, 3, 9, 2))
+    with_la = Scheduler._with_lookahead
+    monkeypatch.setattr(Scheduler, "_with_lookahead", lambda self, n: with_la(self, n + 1))
+    with pytest.raises(EngineInvariantError, match=r"holds \d+ KV blocks; position \d+ \(\+0 lookahead\) needs"):
+        _run(engine, prompts=(4, 4, 3, 9, 2))
+    monkeypatch.setattr(ScheduleLimits, "_check_blocks", lambda *a: None)
+    faulty, _ = _run(engine, prompts=(4, 4, 3, 9, 2))
+    assert _bitwise_equal(clean, faulty)
+
+
 def test_drafts_past_max_tokens_or_k_are_named():
     """Room for drafts: 3 of 4 max_tokens generated leaves none; k=2 caps it everywhere."""
     lim = _limits(("a", 4, 4))
