@@ -15,7 +15,7 @@ Optional attributes (absent: False): `supports_sampling` (it honours `RequestSpe
 else a Case whose requests have sampling params is refused), `supports_prompt_logprobs` and
 `supports_aborts` (it aborts a request before driver step `abort_step` and names it in
 `TargetRun.aborted`; an aborted request's output is left unchecked, every other request is
-checked as if it had never been there, and the KV pool's free blocks, where the run reports
+checked as usual, and the KV pool's free blocks, where the run reports
 them, must be the same after the run as before).
 
 Properties, named `<target>_<kind>` (e.g. `vllm_crash`), each a kind of fuzz.verdict.properties'
