@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # ci/nightly.sh: the nightly fuzz run, the same commands on any machine as in CI
-# (.github/workflows/nightly.yml): fuzz campaign, selftest, report.
+# (.github/workflows/nightly.yml): fuzz campaign, selftest, mutation score, report.
 #
 #   ci/nightly.sh [--budget SECONDS] [--out DIR] [--selftest-budget SECONDS]
 #                 [--layouts L] [--modes M] [--seed N] [--fault NAME]... [--jobs J]
-#                 [--shard K/N | --shards N]
+#                 [--shard K/N | --shards N] [--mutate N [--mutate-seed S] [--mutate-budget SECONDS]]
 #
 #   --budget S           fuzz campaign time budget (default 600); the shrink phase after it
 #                        runs up to max(60 s, budget/4) more
@@ -14,13 +14,17 @@
 #   --layouts, --modes, --seed, --fault, --jobs   passed to `llmfuzz run`
 #   --shard K/N          passed to `llmfuzz run`: this machine's share of a campaign N run
 #                        between them; ci/merge.sh puts the N results together
+#   --mutate N           after the selftest, `llmfuzz mutate --n N` on a fresh seed (the date's,
+#                        or --mutate-seed S) with --mutate-budget seconds a mutant (default 60);
+#                        the score goes into the report (default 0: no mutation run)
 #   --shards N           the CI matrix on this machine: N shards at once, each `--shard K/N`
 #                        for the whole budget with its share of the cores (--jobs, default
 #                        cores/N) into DIR/shards/K, one shared example database, then
 #                        ci/merge.sh into DIR; the selftest and report follow on the merged run
 #
 # Writes DIR/summary.json (`llmfuzz run --json`), DIR/reproducers/, DIR/selftest.json,
-# DIR/report.html, DIR/job_summary.md (Markdown: failures and their replay commands).
+# DIR/report.html, DIR/job_summary.md (Markdown: failures and their replay commands), and with
+# --mutate DIR/mutate.json (`llmfuzz mutate --json`; its survivors under DIR/mutate/).
 # The Hypothesis example database is $LLMFUZZ_DB (default DIR/example-db): point it at the
 # previous night's copy to replay what was found before.
 # Exit code as llmfuzz's: 0 clean, 1 failures found (or a fault the selftest missed),
@@ -30,10 +34,15 @@ set -uo pipefail
 # shellcheck source=ci/lib.sh
 source "$(dirname "$0")/lib.sh"
 
-opt=([budget]=600 [out]=out/nightly [selftest-budget]=60)
+opt=([budget]=600 [out]=out/nightly [selftest-budget]=60 [mutate]=0 [mutate-budget]=60
+     [mutate-seed]=$(( $(date -u +%Y) * 1000 + 10#$(date -u +%j) )))
 opt[shards]=""
-parse_args "budget out selftest-budget shards" "layouts modes seed fault shard jobs" "$@"
+parse_args "budget out selftest-budget shards mutate mutate-seed mutate-budget" "layouts modes seed fault shard jobs" "$@"
 budget=${opt[budget]} out=${opt[out]} selftest_budget=${opt[selftest-budget]} shards=${opt[shards]}
+mutate_n=${opt[mutate]} mutate_seed=${opt[mutate-seed]} mutate_budget=${opt[mutate-budget]}
+[[ $mutate_n =~ ^[0-9]+$ ]] || die "--mutate: '$mutate_n' is not a whole number of mutants"
+[[ $mutate_seed =~ ^[0-9]+$ ]] || die "--mutate-seed: '$mutate_seed' is not a whole number"
+is_num "$mutate_budget" || die "--mutate-budget: '$mutate_budget' is not a number of seconds"
 is_num "$budget" || die "--budget: '$budget' is not a number of seconds"
 is_num "$selftest_budget" || die "--selftest-budget: '$selftest_budget' is not a number of seconds"
 if [[ -n $shards ]]; then
@@ -79,7 +88,7 @@ mkdir -p "$out" || die "cannot create --out $out"
 export LLMFUZZ_PROFILE=nightly
 export LLMFUZZ_DB=${LLMFUZZ_DB:-$out/example-db}
 mkdir -p "$LLMFUZZ_DB"  # Hypothesis creates it lazily; the CI upload wants it to exist
-rm -f "$out/summary.json" "$out/selftest.json" "$out/report.html" "$out/job_summary.md"
+rm -f "$out/summary.json" "$out/selftest.json" "$out/mutate.json" "$out/report.html" "$out/job_summary.md"
 
 if [[ -n $shards ]]; then
     run_shards
@@ -113,6 +122,22 @@ if [[ $selftest_budget != 0 && $selftest_budget != 0.0 ]]; then
     fi
 fi
 
+mu_rc=0
+if ((mutate_n > 0)); then
+    # How strong the green run is: mutants of the engine's bookkeeping on a seed no night used
+    # before (docs/mutate.md). A low score fails nothing; a run that cannot finish is reported.
+    echo "ci/nightly.sh: llmfuzz mutate --n $mutate_n --seed $mutate_seed, ${mutate_budget}s a mutant" >&2
+    forwarding llmfuzz mutate --n "$mutate_n" --seed "$mutate_seed" --budget-per-mutant "$mutate_budget" \
+        --jobs "$(nproc)" --json --out "$out/mutate" >"$out/mutate.json"
+    mu_rc=$rc
+    if is_json "$out/mutate.json"; then
+        st_args+=(--mutate "$out/mutate.json")
+    else
+        rm -f "$out/mutate.json"
+        echo "ci/nightly.sh: llmfuzz mutate exited $mu_rc without a report" >&2
+    fi
+fi
+
 hint=""
 if [[ -n ${GITHUB_RUN_ID:-} ]]; then
     hint="Download the reproducers: \`gh run download ${GITHUB_RUN_ID} -n llmfuzz-reproducers -D $out/reproducers\`, then:"
@@ -125,5 +150,6 @@ echo "ci/nightly.sh: wrote $out/summary.json $out/report.html $out/job_summary.m
 for code in 130 2 1; do
     if ((run_rc == code || st_rc == code)); then exit "$code"; fi
 done
+((mu_rc == 130 || mu_rc == 2)) && exit "$mu_rc"
 ((run_rc == 0 && st_rc == 0)) || exit 1
 exit 0

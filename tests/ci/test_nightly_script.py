@@ -107,6 +107,8 @@ def test_merge_script_without_shards_is_an_error(tmp_path) -> None:
     (["--budget", "soon"], "--budget"), (["--selftest-budget", "-1"], "--selftest-budget"),
     (["--frobnicate"], "unknown argument"), (["--budget"], "needs a value"),
     (["--shards", "0"], "--shards"), (["--shards", "2", "--shard", "1/2"], "give one"),
+    (["--mutate", "some"], "--mutate"), (["--mutate", "2", "--mutate-seed", "-3"], "--mutate-seed"),
+    (["--mutate", "2", "--mutate-budget", "long"], "--mutate-budget"),
 ])
 def test_nightly_script_bad_input(tmp_path, argv, words) -> None:
     """Refused before anything starts: one line, exit 2, nothing written."""
@@ -189,6 +191,11 @@ def test_workflows_parse_and_run_what_they_should() -> None:
     assert {"llmfuzz-example-db", "llmfuzz-reproducers", "llmfuzz-nightly"} <= uses
     assert "GITHUB_STEP_SUMMARY" in merge_text
     assert "llmfuzz selftest" in "\n".join(run_lines({"jobs": {"s": jobs["selftest"]}}))
+    # How strong a green night is: a mutation score on the date's seed, on the report page.
+    mutate_text = "\n".join(run_lines({"jobs": {"m": jobs["mutate"]}}))
+    assert "llmfuzz mutate --n \"$MUTATE_N\" --seed \"$seed\"" in mutate_text and "date -u +%j" in mutate_text
+    assert "mutate" in jobs["report"]["needs"]
+    assert "--mutate mutate/mutate.json" in "\n".join(run_lines({"jobs": {"r": jobs["report"]}}))
     assert jobs["gpu"]["runs-on"] == ["self-hosted", "gpu"]
     assert "ci/gpu.sh" in "\n".join(run_lines({"jobs": {"g": jobs["gpu"]}}))
 
