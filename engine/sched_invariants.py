@@ -28,8 +28,9 @@ each has) plus each request's prompt length and max_tokens as it was added, and 
     left for the others;
   - the budget is not left idle: a microbatch with tokens to spare schedules every held
     request that has no step in flight, each for every token the ranks know of it, unless the
-    KV pool turned an allocation down meanwhile (the driver says so, from the KV manager). A scheduler that wastes budget computes the same tokens in more steps, which
-    no output oracle sees.
+    KV pool turned an allocation down meanwhile (the driver says so, from the KV manager). A
+    scheduler that wastes budget computes the same tokens in more steps, which no output
+    oracle sees.
 """
 from __future__ import annotations
 

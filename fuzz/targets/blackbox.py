@@ -359,6 +359,7 @@ class BlackBoxChecker:
                     self._solo.pop(next(iter(self._solo)))
                 self._solo[k] = run.results[rid]
             solo[rid] = self._solo[k]
+        specs = dict(items)
         for rid, r in items:
             if not is_plain(r) and rid in test.results and solo[rid].token_ids != test.results[rid].token_ids:
                 a, b = solo[rid].token_ids, test.results[rid].token_ids
@@ -367,7 +368,7 @@ class BlackBoxChecker:
                     f"request {rid} (seed {r.sampling.seed}, params {r.sampling.to_dict()}): {self.label} in the batch "
                     f"sampled {list(b)}, alone {list(a)}; they part at position {i}: a request's generator must "
                     "advance with its own draws only", case, float("inf"), self.solo_oracle())
-        plain = {rid: v for rid, v in solo.items() if is_plain(dict(items)[rid])}
+        plain = {rid: v for rid, v in solo.items() if is_plain(specs[rid])}
         return self._compare(plain, test.results, lp_tol, case, self.solo_oracle(), self.props.batch_invariance,
                              f"{self.label} alone", f"{self.label} in the batch"), seconds
 

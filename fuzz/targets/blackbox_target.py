@@ -39,9 +39,9 @@ def config_cells(configs, name, max_requests: int = 8, sampling: bool = False, a
                  with_aborts: bool = False) -> list[Cell]:
     """One cell per planned config (`configs`: (EngineConfig, options) pairs, the options'
     `on(case)` making the Case the target's; `name(cfg, opts)`: the cell's name): Hypothesis
-    draws workloads (fuzz.cases.strategies.workloads, with sampling params when `sampling`, an
-    abort when `with_aborts` (fuzz.cases.strategies.aborts), then through `adapt(cfg, workload)` if given: what the target cannot take, taken out) on
-    that config; `data` is the template Case (the config and options the engine starts with)."""
+    draws workloads on that config (fuzz.cases.strategies.workloads, with sampling params when
+    `sampling`, an abort when `with_aborts` (fuzz.cases.strategies.aborts), then through
+    `adapt(cfg, workload)` if given: what the target cannot take, taken out); `data` is the template Case (the config and options the engine starts with)."""
     out = []
     for cfg, opts in configs:
         template = opts.on(Case(cfg, Workload((RequestSpec((1,), 1),))))

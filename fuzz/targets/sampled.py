@@ -10,8 +10,8 @@ reference is teacher-forced on the target's own tokens, and
   (fuzz.verdict.oracles.sampling, which shares no code with either engine) on the
   reference's raw logits row and the token history: a greedy request's token is the argmax
   of the processed logits; a random one's is in the support left by top-k, top-p, min-p,
-  the bias and min_tokens (which, on vLLM, masks the model's EOS too). The target's token gets the benefit of the tolerance: its raw
-  logit is raised by it first, so another engine's rounding at a threshold is no failure.
+  the bias and min_tokens (which, on vLLM, masks the model's EOS too). The target's token
+  gets the benefit of the tolerance: its raw logit is raised by it first, so another engine's rounding at a threshold is no failure.
 """
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from fuzz.cases.case import Case, RequestSpec, Workload
 from fuzz.targets.blackbox import (BlackBoxChecker, BlackBoxVerdict, TargetBatchInvariance, TargetCrash, TargetGreedy,
-                                   TargetHang, engine_items, TargetSampling, TargetVsReference, TargetVsTransformers,
+                                   TargetHang, TargetSampling, TargetVsReference, TargetVsTransformers, engine_items,
                                    logprob_tolerance, properties_for)
 from fuzz.verdict.properties import EngineViolation
 from fuzz.targets.reference import ReferenceRunner

@@ -10,7 +10,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 KNOWN_FILE = "fuzz/targets/vllm/known_failures.txt"  # relative to the repository
@@ -68,10 +68,8 @@ class KnownWorkloadCrash:
 
 def _unseed_when_chunked(cfg, wl):
     """Random requests lose their seed in a workload whose prompts (n times for n > 1), with a
-    decode token per request, do not fit one step's token budget: vLLM may then prefill a prompt in chunks (a
-    conservative test: arrivals and preemption chunk only past that too)."""
-    from dataclasses import replace
-
+    decode token per request, do not fit one step's token budget: vLLM may then prefill a
+    prompt in chunks (a conservative test: arrivals and preemption chunk only past that too)."""
     n = [r.sampling.n if r.sampling is not None else 1 for r in wl.requests]  # n > 1: n prompts to prefill
     if sum((len(r.prompt_token_ids) + 1) * k for r, k in zip(wl.requests, n)) <= cfg.max_num_batched_tokens:
         return wl

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from fuzz.cases.case import Case, RequestSpec
+from fuzz.targets.blackbox import engine_items
 from fuzz.targets.runs import (RequestResult, TargetFailure, TargetRun, package_path, parse_tracebacks,
                                signature)
 from fuzz.targets.vllm import launch
@@ -284,8 +285,6 @@ class VLLMRunner:
         its config and options (`opts`, else the Case's), with top-k prompt logprobs if asked;
         raise TargetFailure on a crash, a hang or a failed start."""
         if items is None:  # the engine's requests: n > 1 as its children, as the reference runs them
-            from fuzz.targets.blackbox import engine_items
-
             items = engine_items(case)
         opts = VLLMOptions.of(case) if opts is None else opts
         requests = [launch.request_payload(rid, r) for rid, r in items]  # refused before any engine starts

@@ -72,8 +72,8 @@ class Unchecked:
 
 class VLLMTarget(Target):
     """`configs`: the (EngineConfig, VLLMOptions) to visit; `known`: crash signatures counted,
-    not written; `include_known`: draw what known workload crashes reach too; `plan`: what the configs cover (fuzz.targets.vllm.plan.plan_report), kept in
-    the summary; `checker`: a VLLMChecker of the caller's (closed by the caller), else one of
+    not written; `include_known`: draw what known workload crashes reach too; `plan`: what the
+    configs cover (fuzz.targets.vllm.plan.plan_report), kept in the summary; `checker`: a VLLMChecker of the caller's (closed by the caller), else one of
     this target's, made when first needed."""
 
     name = "vllm"
@@ -125,12 +125,11 @@ class VLLMTarget(Target):
 
     def cells(self) -> list[Cell]:
         from fuzz.targets.blackbox_target import config_cells
+        from fuzz.targets.vllm.known import KNOWN_WORKLOAD_CRASHES, spare_known
 
-        from fuzz.targets.vllm.known import spare_known
-
-        spare = (lambda cfg, wl: wl) if self.include_known else spare_known
+        crashes = () if self.include_known else KNOWN_WORKLOAD_CRASHES
         return config_cells(self.configs, cell_name, self.max_requests, sampling=True, with_aborts=True,
-                            adapt=lambda cfg, wl: spare(cfg, vllm_workload(cfg, wl)))
+                            adapt=lambda cfg, wl: spare_known(cfg, vllm_workload(cfg, wl), crashes))
 
     def check(self, case):
         """The checker's verdict; a start-up failure kept by `start` is raised as this
