@@ -11,91 +11,76 @@ segment, cut where the continuation is about to repeat an earlier n-gram and go 
 there: at the first decode the proposer finds that n-gram and proposes what followed it, which
 is what greedy decoding produces next, so verification accepts 2 or more drafts.
 
-They depend on the weights, so they are searched for once (`search`: `python
-bench/drafting_prompts.py 192`) and stored as token ids; a Case stores its prompt's ids as any
-other, so drawing and replaying run no model. tests/fuzz/cases/test_drafting.py reruns the
+They depend on the weights, so they are searched for once per model (`search`: `python
+bench/drafting_prompts.py fuzz|vllm 192`) and stored as token ids (fuzz.cases.drafting_prompts:
+the fuzz model's, run by our engine, and the vLLM target's model, whose n-gram rule differs);
+a Case stores its prompt's ids as any other, so drawing and replaying run no model. tests/fuzz/cases/test_drafting.py reruns the
 model to check that they still continue as stored. The strategies add one or two requests of
 them to two n-gram Cases in three (`add_requests`) and label such a Case with event()
 (`self_drafting`); docs/reach.md has what that changed.
 """
 from __future__ import annotations
 
+import functools
 import random
+from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.spec_decode import NgramProposer
 from fuzz.cases.case import RequestSpec, Workload
+from fuzz.cases.drafting_prompts import FUZZ_MODEL_PROMPTS, VLLM_MODEL_PROMPTS, Prompts
 
-# The model the stored prompts were searched on: FUZZ_MODEL's shape and seeded weights. Each
-# prompt drafts with the weights in float32 and rounded to bfloat16 and float16 (what the
-# reference run of a half-precision Case computes with, fuzz.cases.case.reference_config).
-MODEL = dict(vocab_size=128, hidden_size=64, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
-             head_dim=8, intermediate_size=128, seed=0, model_path=None)
-SEARCH_DTYPES = ("float32", "bfloat16", "float16")
+
+@dataclass(frozen=True, eq=False)  # compared and hashed by identity: one per model
+class Table:
+    """Stored prompts for one model (its shape and seeded weights), searched with the n-gram rule
+    of the engine that runs them (`rule`: "recent", our engine's proposer, the most recent earlier
+    match; "earliest", vLLM's, fuzz.targets.vllm.drafts.expected_draft), each drafting with the
+    weights in every one of `dtypes` (what the Cases on that model compute in: the reference run
+    of a half-precision Case, fuzz.cases.case.reference_config; vLLM's float32 and bfloat16 cells)."""
+
+    name: str
+    model: dict
+    prompts: Prompts
+    rule: str
+    dtypes: tuple[str, ...]
+
+
+TABLES = (
+    Table("fuzz", dict(vocab_size=128, hidden_size=64, num_hidden_layers=8, num_attention_heads=8,
+                       num_key_value_heads=2, head_dim=8, intermediate_size=128, seed=0, model_path=None),
+          FUZZ_MODEL_PROMPTS, "recent", ("float32", "bfloat16", "float16")),
+    Table("vllm", dict(vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=64, intermediate_size=256, seed=0, model_path=None),
+          VLLM_MODEL_PROMPTS, "earliest", ("float32", "bfloat16")),
+)
+FUZZ, VLLM = TABLES
 MIN_ACCEPTED = 2  # drafts greedy verification accepts at the first decode (k >= 2)
 K = 4  # drafts proposed in the search (the proposer's k only truncates what it finds)
 # Prompt lengths searched: long enough to hold a repeat, short enough that a request of one
 # costs a campaign few steps (prompts are prefilled in chunks of budgets down to 5 tokens).
 MIN_CUT, MAX_CUT = 8, 24
 
-# (a seed segment and its greedy continuation, the lengths at which a prompt of it drafts), the
-# shortest first (what a shrink leaves): `python bench/drafting_prompts.py 192` (18 of 192 seeds).
-PROMPTS: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = (
-    ((108, 108, 108, 108, 108, 121, 121, 56, 121, 56, 121, 56, 32, 104),
-     (8, 9)),
-    ((99, 99, 99, 15, 15, 15, 120, 15, 120, 15, 120, 18, 15, 120, 15, 120, 99, 15, 120, 99, 15, 120, 15, 115),
-     (8, 18, 19)),
-    ((74, 74, 74, 74, 74, 74, 120, 8, 100, 8, 100, 8, 24, 8, 24, 24, 24, 8, 24, 24, 24, 24, 120),
-     (9, 17, 18)),
-    ((35, 74, 74, 8, 26, 74, 8, 8, 26, 8, 26, 8, 26, 8, 26, 8, 26, 8, 26, 8, 26, 8, 26, 8, 26, 8, 8, 26),
-     (9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23)),
-    ((125, 125, 79, 46, 60, 49, 92, 46, 94, 51, 94, 92, 46, 94, 31, 92, 21, 122, 2, 46, 94, 31, 64, 23),
-     (11, 19)),
-    ((28, 28, 28, 28, 28, 108, 69, 105, 69, 39, 105, 69, 56, 105, 69, 56, 12, 13),
-     (13,)),
-    ((42, 42, 42, 42, 98, 115, 98, 115, 94, 44, 126, 120, 99, 99, 120, 99, 99, 99, 115),
-     (14,)),
-    ((28, 28, 28, 28, 28, 28, 108, 69, 105, 69, 39, 105, 69, 56, 105, 69, 56, 12, 13),
-     (14,)),
-    ((72, 19, 55, 87, 104, 74, 116, 108, 115, 65, 56, 61, 19, 56, 19, 56, 19, 56, 99, 58),
-     (14, 15)),
-    ((13, 13, 13, 13, 92, 63, 10, 67, 63, 67, 42, 63, 67, 107, 92, 63, 10, 67, 20, 8),
-     (14, 15)),
-    ((82, 82, 31, 126, 56, 115, 15, 63, 119, 46, 4, 106, 56, 56, 56, 106, 56, 56, 56, 56, 56),
-     (15, 16)),
-    ((127, 127, 127, 127, 127, 127, 96, 70, 96, 70, 85, 99, 99, 70, 81, 70, 81, 70, 81, 76, 81, 76, 70, 81, 76,
-      18, 26),
-     (15, 16, 22)),
-    ((58, 58, 58, 50, 34, 34, 34, 34, 55, 96, 35, 76, 57, 15, 103, 89, 96, 35, 76, 77, 53),
-     (16,)),
-    ((68, 68, 68, 68, 68, 100, 99, 115, 15, 115, 115, 98, 15, 115, 63, 115, 98, 98, 127, 115, 98, 115, 98, 115, 8,
-      115),
-     (21,)),
-    ((52, 52, 52, 52, 52, 52, 59, 3, 76, 76, 93, 19, 8, 76, 83, 39, 41, 74, 41, 74, 26, 39, 41, 74, 41, 116, 93),
-     (21, 22)),
-    ((62, 62, 62, 62, 99, 99, 99, 99, 99, 87, 99, 99, 99, 99, 14, 36, 76, 87, 35, 99, 87, 99, 87, 35, 99, 87, 99,
-      41, 87),
-     (23, 24)),
-    ((62, 62, 62, 62, 62, 62, 99, 99, 99, 99, 99, 99, 99, 99, 99, 99, 99, 87, 99, 99, 99, 99, 99, 87, 99, 99, 99,
-      35, 35),
-     (23, 24)),
-    ((10, 10, 10, 10, 86, 23, 58, 56, 122, 39, 105, 79, 39, 122, 50, 89, 122, 102, 79, 39, 23, 23, 23, 3, 23, 3,
-      23, 86, 0),
-     (24,)),
-)
+
+def model_table(cfg: EngineConfig) -> Table | None:
+    """The table of the model `cfg` runs (shape and seeded weights), else None."""
+    return next((t for t in TABLES if all(getattr(cfg, k) == v for k, v in t.model.items())), None)
+
+
+def table(cfg: EngineConfig) -> Table | None:
+    """The table whose prompts draft on `cfg`: n-gram drafting on a model they were searched on."""
+    return model_table(cfg) if cfg.speculative_method == "ngram" else None
 
 
 def applies(cfg: EngineConfig) -> bool:
-    """Whether the stored prompts draft on `cfg`: n-gram drafting on the model they were
-    searched on."""
-    return cfg.speculative_method == "ngram" and all(getattr(cfg, k) == v for k, v in MODEL.items())
+    return table(cfg) is not None
 
 
-def prompt(which: int) -> tuple[int, ...]:
-    """Stored prompt `which`: entry `which % len(PROMPTS)` at its `which // len(PROMPTS)`-th
-    drafting length (modulo their number). 0, what a shrink leaves: the first at its shortest."""
-    tokens, cuts = PROMPTS[which % len(PROMPTS)]
-    return tokens[:cuts[which // len(PROMPTS) % len(cuts)]]
+def prompt(which: int, tab: Table = FUZZ) -> tuple[int, ...]:
+    """Stored prompt `which` of `tab`: entry `which % len` at its `which // len`-th drafting
+    length (modulo their number). 0, what a shrink leaves: the first at its shortest."""
+    tokens, cuts = tab.prompts[which % len(tab.prompts)]
+    return tokens[:cuts[which // len(tab.prompts) % len(cuts)]]
 
 
 # How many self-drafting requests join an n-gram Case (strategies.workloads): none (first: what
@@ -122,17 +107,19 @@ def add_requests(wl: Workload, cfg: EngineConfig, count: int, which: int, max_re
     """`wl` and `count` self-drafting requests (prompts `which`, `which + 1`, ...; `max_tokens`
     output tokens, or what max_model_len leaves) arriving one step after its first ones; as
     is where the stored prompts do not apply (`applies`), and no more than `max_requests` in all."""
-    count = min(count, max_requests - len(wl.requests))
-    if count <= 0 or not applies(cfg):
+    count, tab = min(count, max_requests - len(wl.requests)), table(cfg)
+    if count <= 0 or tab is None:
         return wl
     step = min(r.arrival_step for r in wl.requests) + 1
-    prompts = [prompt(which + i) for i in range(count)]
+    prompts = [prompt(which + i, tab) for i in range(count)]
     return Workload(wl.requests + tuple(RequestSpec(p, min(max_tokens, cfg.max_model_len - len(p)), step)
                                         for p in prompts))
 
 
-# Every stored prompt at each of its drafting lengths: a Case tells its class from token ids alone.
-_AT_CUTS = frozenset(tokens[:c] for tokens, cuts in PROMPTS for c in cuts)
+@functools.cache
+def _at_cuts(tab: Table) -> frozenset:
+    """Every prompt of `tab` at each of its drafting lengths: a Case tells its class from token ids alone."""
+    return frozenset(tokens[:c] for tokens, cuts in tab.prompts for c in cuts)
 
 
 def self_drafting(cfg: EngineConfig, r: RequestSpec) -> bool:
@@ -140,16 +127,43 @@ def self_drafting(cfg: EngineConfig, r: RequestSpec) -> bool:
     decode that greedy decoding goes on with (all of them verified, unless the token budget
     cuts them): a stored prompt at a drafting length, decoded greedily (penalties and a logit
     bias would move the continuation), with room for MIN_ACCEPTED drafts and a bonus token."""
-    p = r.sampling
+    p, tab = r.sampling, table(cfg)
     plain = p is None or (p.is_greedy and not p.has_penalties and not p.logit_bias)
-    return (applies(cfg) and cfg.num_speculative_tokens >= MIN_ACCEPTED and r.max_tokens >= 2 + MIN_ACCEPTED
-            and r.prompt_token_ids in _AT_CUTS and plain)
+    return (tab is not None and cfg.num_speculative_tokens >= MIN_ACCEPTED and r.max_tokens >= 2 + MIN_ACCEPTED
+            and r.prompt_token_ids in _at_cuts(tab) and plain)
 
 
-def accepted_at_first_decode(tokens: list[int], cut: int, k: int = K) -> int:
+def expected_draft(tokens: list[int] | tuple, n: int, k: int, min_n: int, max_n: int, max_model_len: int) -> list[int]:
+    """vLLM's n-gram draft for the context tokens[:n], written from its documentation
+    (vllm/v1/spec_decode/ngram_proposer.py): the longest suffix of length in [min_n, max_n]
+    that also occurs earlier; among equally long matches the earliest; the draft is up to k
+    tokens that followed it, never past the context's end nor max_model_len."""
+    ctx = list(tokens[:n])
+    if n < min_n:
+        return []
+    k = min(k, max_model_len - n)
+    if k <= 0:
+        return []
+    for size in range(min(max_n, n - 1), min_n - 1, -1):  # longest first
+        suffix = ctx[n - size:]
+        for j in range(0, n - size):  # earliest first; the suffix itself (j = n - size) excluded
+            if ctx[j:j + size] == suffix:
+                start = j + size
+                return ctx[start:start + min(k, n - start)]
+    return []
+
+
+def propose(rule: str, tokens: list[int], k: int) -> list[int]:
+    """The n-gram draft of `rule` (Table.rule) for the context `tokens`."""
+    if rule == "recent":
+        return NgramProposer(k).propose(list(tokens))
+    return expected_draft(list(tokens), len(tokens), k, 1, 3, len(tokens) + k)
+
+
+def accepted_at_first_decode(tokens: list[int], cut: int, k: int = K, rule: str = "recent") -> int:
     """Drafts accepted at the first decode of the prompt `tokens[:cut]` when `tokens` is its
     greedy continuation: the proposer sees the prompt and the first sampled token."""
-    drafts = NgramProposer(k).propose(list(tokens[:cut + 1]))
+    drafts = propose(rule, tokens[:cut + 1], k)
     a = 0
     while a < len(drafts) and cut + 1 + a < len(tokens) and drafts[a] == tokens[cut + 1 + a]:
         a += 1
@@ -179,20 +193,22 @@ def greedy(cfg: EngineConfig, prompts: list[list[int]], max_tokens: int) -> list
     return out
 
 
-def search(cfg: EngineConfig, seeds: range, min_cut: int = MIN_CUT, max_cut: int = MAX_CUT) -> list:
-    """PROMPTS entries from seed segments `seeds`: the segment, a run of one token (1 to 6 of
+def search(cfg: EngineConfig, seeds: range, tab: Table = FUZZ, min_cut: int = MIN_CUT,
+           max_cut: int = MAX_CUT) -> list:
+    """Entries for `tab` from seed segments `seeds`: the segment, a run of one token (1 to 6 of
     it: continuations of runs repeat themselves more often; with cuts up to 53 tokens, 27 of
-    192 run segments made an entry, 5 of 128 random segments of 1 to 6 tokens) and its greedy
-    continuation, with every cut from `min_cut` to `max_cut` tokens whose first decode accepts
-    MIN_ACCEPTED drafts in each of SEARCH_DTYPES; the shortest first."""
+    192 run segments made an entry on the fuzz model, 5 of 128 random segments of 1 to 6
+    tokens) and its greedy continuation on `cfg` (the table's model), with every cut from
+    `min_cut` to `max_cut` tokens whose first decode accepts MIN_ACCEPTED drafts under the
+    table's rule in each of its dtypes; the shortest first."""
     segs = [[random.Random(s).randrange(cfg.vocab_size)] * (1 + s % 6) for s in seeds]
-    runs = {d: greedy(cfg.replace(dtype=d), segs, max_cut + K) for d in SEARCH_DTYPES}
+    runs = {d: greedy(cfg.replace(dtype=d), segs, max_cut + K) for d in tab.dtypes}
     found: list = []
     for i, seg in enumerate(segs):
-        full = [seg + runs[d][i] for d in SEARCH_DTYPES]
+        full = [seg + runs[d][i] for d in tab.dtypes]
         cuts = tuple(c for c in range(max(min_cut, len(seg)), min(max_cut + 1, len(full[0]) - K))
                      if all(t[:c + K + 1] == full[0][:c + K + 1] for t in full)
-                     and accepted_at_first_decode(full[0], c) >= MIN_ACCEPTED)
+                     and accepted_at_first_decode(full[0], c, rule=tab.rule) >= MIN_ACCEPTED)
         # One entry a segment (a run of the same token, longer, continues alike).
         if cuts and all(tokens[:len(seg)] != tuple(seg) for tokens, _ in found):
             found.append((tuple(full[0][:max(cuts) + 1 + K]), cuts))

@@ -18,29 +18,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
-def expected_draft(tokens: list[int] | tuple, n: int, k: int, min_n: int, max_n: int, max_model_len: int) -> list[int]:
-    """The n-gram draft for the context tokens[:n] (module docstring)."""
-    ctx = list(tokens[:n])
-    if n < min_n:
-        return []
-    k = min(k, max_model_len - n)
-    if k <= 0:
-        return []
-    for size in range(min(max_n, n - 1), min_n - 1, -1):  # longest first
-        suffix = ctx[n - size:]
-        for j in range(0, n - size):  # earliest first; the suffix itself (j = n - size) excluded
-            if ctx[j:j + size] == suffix:
-                start = j + size
-                return ctx[start:start + min(k, n - start)]
-    return []
+# vLLM's documented rule, kept with the stored prompts searched under it (fuzz.cases.drafting).
+from fuzz.cases.drafting import expected_draft
 
 
 @dataclass
 class DraftStats:
     """Per cell: the drafts that differ from the rule (a few kept for the message; the first
     one's `mismatch_kind` is the bug's signature), steps with a draft asked for, tokens
-    drafted, tokens accepted."""
+    drafted, tokens accepted, and the acceptance distribution: Cases with a proposal by the
+    most drafts one step of theirs accepted (`best`: {accepted: Cases}). Multi-token accept,
+    the bonus token and rollback run only in Cases accepting 2 or more in a step."""
 
     examples: list = field(default_factory=list)
     first_kind: str = ""
@@ -48,16 +36,22 @@ class DraftStats:
     proposals: int = 0
     drafted: int = 0
     accepted: int = 0
+    best: dict = field(default_factory=dict)
 
     def add(self, other: "DraftStats") -> None:
         self.proposals += other.proposals
         self.drafted += other.drafted
         self.accepted += other.accepted
         self.mismatches += other.mismatches
+        for a, n in other.best.items():
+            self.best[a] = self.best.get(a, 0) + n
 
     def to_json(self) -> dict:
         return {"proposals": self.proposals, "drafted_tokens": self.drafted, "accepted_tokens": self.accepted,
                 "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else None,
+                "cases": sum(self.best.values()),
+                "cases_accepting_2plus": sum(n for a, n in self.best.items() if a >= 2),
+                "most_accepted_in_a_step": {str(a): self.best[a] for a in sorted(self.best)},
                 "draft_mismatches": self.mismatches}
 
 
@@ -77,8 +71,9 @@ def mismatch_kind(draft: list, want: list) -> str:
 def check_drafts(drafts: dict, full_tokens: dict, k_max: int, min_n: int, max_n: int,
                  max_model_len: int) -> DraftStats:
     """drafts: {rid: [[n, k, draft], ...]} (the worker's); full_tokens: {rid: prompt + output}.
-    Counts acceptance and records every draft that differs from `expected_draft`."""
-    st = DraftStats()
+    Counts acceptance (`best`: this Case's most drafts accepted in one step) and records every
+    draft that differs from `expected_draft`."""
+    st, best = DraftStats(), 0
     for rid, recs in drafts.items():
         toks = full_tokens.get(rid)
         if toks is None:
@@ -96,10 +91,13 @@ def check_drafts(drafts: dict, full_tokens: dict, k_max: int, min_n: int, max_n:
                 else:
                     break
             st.accepted += acc
+            best = max(best, acc)
             if list(draft) != want:
                 st.mismatches += 1
                 st.first_kind = st.first_kind or mismatch_kind(list(draft), want)
                 if len(st.examples) < 3:
                     st.examples.append(f"{rid} at {n} tokens (…{list(toks[max(0, n - 6):n])}): vLLM drafted "
                                        f"{list(draft)}, the n-gram rule gives {want}")
+    if st.proposals:
+        st.best = {best: 1}
     return st

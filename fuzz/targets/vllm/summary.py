@@ -85,12 +85,27 @@ def not_reached(s) -> list[str]:
     return [n for n in s.planned if n not in ran]
 
 
+def reach(notes: dict) -> str:
+    """What a cell's Cases exercised, in a few words: the prefix cache's hit rate (with caching
+    on), the Cases whose drafts were accepted 2 or more in a step (with n-gram drafting), the
+    requests sampled and aborted."""
+    mix, drafts, out = notes.get("mix") or {}, notes.get("drafts") or {}, []
+    if notes.get("llm_kwargs", {}).get("enable_prefix_caching"):
+        out.append(f"hit {mix.get('hit_rate', 0.0):.2f}")
+    if drafts:
+        out.append(f"accept>=2 {drafts.get('cases_accepting_2plus', 0)}/{drafts.get('cases', 0)}")
+    if mix:
+        out.append(f"sampled {mix.get('sampled', 0)}/{mix.get('requests', 0)} aborted {mix.get('aborted', 0)}")
+    return " ".join(out)
+
+
 def summary_table(s, target=None) -> str:
     rows = [f"{'cell':<44}{'examples':>9}{'ex/s':>7}{'starts':>7}{'start s':>8}{'fail':>5}{'known':>6}  note"]
     for (name, _), c in s.cells.items():
         rate = f"{c.examples / c.seconds:.2f}" if c.seconds else "-"
         rows.append(f"{name:<44}{c.examples:>9}{rate:>7}{c.notes.get('engine_starts', 0):>7}"
-                    f"{c.notes.get('startup_s', 0.0):>8.1f}{c.failures:>5}{len(c.known):>6}  {c.stopped}")
+                    f"{c.notes.get('startup_s', 0.0):>8.1f}{c.failures:>5}{len(c.known):>6}  "
+                    + " · ".join(x for x in (reach(c.notes), c.stopped) if x))
     rows += [f"not reached: {n} (planned; the budget ran out first)" for n in not_reached(s)]
     plan = (target.plan if target is not None else None) or {}
     if plan.get("pairs_excluded"):

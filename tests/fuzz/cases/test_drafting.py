@@ -20,19 +20,40 @@ NGRAM = FUZZ_MODEL.replace(speculative_method="ngram", num_speculative_tokens=4)
 _FAST = dict(database=None, deadline=None, suppress_health_check=list(HealthCheck))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_stored_prompts_continue_as_stored(dtype: str) -> None:
-    """Greedy decoding of each entry from its shortest cut gives the stored tokens, so at every
-    stored cut the first decode's drafts are accepted (recomputed from the tokens alone). If
-    the model or its weights change, regenerate PROMPTS: `python bench/drafting_prompts.py 192`."""
-    starts = [cuts[0] for _, cuts in drafting.PROMPTS]
-    longest = max(len(t) - c for (t, _), c in zip(drafting.PROMPTS, starts))
-    got = drafting.greedy(FUZZ_MODEL.replace(dtype=dtype), [list(t[:c]) for (t, _), c in zip(drafting.PROMPTS, starts)],
-                          longest)
-    for (tokens, cuts), c, out in zip(drafting.PROMPTS, starts, got):
+def _model(tab: drafting.Table):
+    from fuzz.targets.vllm.configs import VLLM_MODEL
+
+    return {"fuzz": FUZZ_MODEL, "vllm": VLLM_MODEL}[tab.name]
+
+
+@pytest.mark.parametrize("tab,dtype", [(t, d) for t in drafting.TABLES for d in t.dtypes[:2]],
+                         ids=lambda v: getattr(v, "name", v))
+def test_stored_prompts_continue_as_stored(tab: drafting.Table, dtype: str) -> None:
+    """Greedy decoding of each entry from its shortest cut, on the table's model, gives the
+    stored tokens, so at every stored cut the first decode's drafts (under the table's rule) are
+    accepted (recomputed from the tokens alone). If the model or its weights change, regenerate
+    the table: `python bench/drafting_prompts.py fuzz|vllm 192`."""
+    model = _model(tab)
+    assert drafting.model_table(model) is tab
+    starts = [cuts[0] for _, cuts in tab.prompts]
+    longest = max(len(t) - c for (t, _), c in zip(tab.prompts, starts))
+    got = drafting.greedy(model.replace(dtype=dtype), [list(t[:c]) for (t, _), c in zip(tab.prompts, starts)], longest)
+    for (tokens, cuts), c, out in zip(tab.prompts, starts, got):
         assert tuple(out[:len(tokens) - c]) == tokens[c:], (tokens, c)
         for cut in cuts:
-            assert drafting.accepted_at_first_decode(tokens, cut) >= drafting.MIN_ACCEPTED, (tokens, cut)
+            assert drafting.accepted_at_first_decode(tokens, cut, rule=tab.rule) >= drafting.MIN_ACCEPTED, (tokens, cut)
+
+
+def test_the_vllm_model_gets_its_own_table() -> None:
+    """n-gram Cases on the vLLM target's model get that model's prompts (vLLM's earliest-match
+    rule), not the fuzz model's."""
+    from fuzz.targets.vllm.configs import VLLM_MODEL
+
+    cfg = VLLM_MODEL.replace(speculative_method="ngram", num_speculative_tokens=3)
+    wl = drafting.add_requests(Workload((RequestSpec((1, 2), 2),)), cfg, 2, 0, 8)
+    assert [r.prompt_token_ids for r in wl.requests[1:]] == [drafting.prompt(i, drafting.VLLM) for i in (0, 1)]
+    assert all(drafting.self_drafting(cfg, r) for r in wl.requests[1:])
+    assert not drafting.self_drafting(NGRAM, wl.requests[1])  # a vLLM-model prompt does not draft on the fuzz model
 
 
 def test_a_repeated_segment_alone_does_not_draft() -> None:

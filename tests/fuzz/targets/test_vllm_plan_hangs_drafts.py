@@ -11,7 +11,7 @@ import pytest
 from fuzz.targets.vllm.configs import cell_name, parse_cell_name
 from fuzz.targets.vllm.launch import llm_kwargs
 from fuzz.targets.vllm.covering import DIMENSIONS, coverage, covering_plan, fit_budget, required, valid
-from fuzz.targets.vllm.drafts import check_drafts, expected_draft
+from fuzz.targets.vllm.drafts import DraftStats, check_drafts, expected_draft
 from fuzz.targets.vllm.known import KNOWN_CRASHES
 from fuzz.targets.vllm.stacks import hang_signature, parse_dump, stuck_frame
 
@@ -95,6 +95,36 @@ def test_cell_names_round_trip_with_the_new_dimensions():
         if opts.kv_blocks:  # small: one longest request (and a block) fits, a batch does not
             assert opts.kv_blocks * cfg.block_size >= cfg.max_model_len
             assert opts.kv_blocks * cfg.block_size < 2 * cfg.max_model_len + cfg.block_size
+
+
+def test_the_engine_core_in_its_own_process_is_a_dimension_of_its_own():
+    """`+engine_core_process` names it, the engine starts with VLLM_ENABLE_V1_MULTIPROCESSING=1
+    (a different engine key, the same vLLM arguments), the plan covers both values, and a
+    shrink tries the core back in the client's process."""
+    from fuzz.targets.vllm.configs import VLLM_MODEL, VLLMOptions, config_row, plan_rows, row_config
+    from fuzz.targets.vllm.launch import engine_env
+    from fuzz.targets.vllm.runner import VLLMRunner
+    from fuzz.targets.vllm.target import simpler_configs
+
+    cfg, opts = parse_cell_name("tp2pp1-eager+engine_core_process")
+    assert opts == VLLMOptions(engine_core_process=True) and cell_name(cfg, opts) == "tp2pp1-eager+engine_core_process"
+    assert engine_env(cfg, opts)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    assert engine_env(cfg)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert llm_kwargs(cfg, opts) == llm_kwargs(cfg) and VLLMRunner.config_key(cfg, opts) != VLLMRunner.config_key(cfg, VLLMOptions())
+    rows, k = plan_rows(0)
+    assert {r["core"] for r in rows[:k]} == {"inproc", "process"}
+    assert all(config_row(*row_config(r)) == r for r in rows[:k])
+    assert (cfg, VLLMOptions()) in simpler_configs(cfg, opts)
+    assert config_row(VLLM_MODEL, VLLMOptions())["core"] == "inproc"
+
+
+def test_prefix_caching_that_can_never_hit_is_not_planned():
+    """A block as long as max_model_len holds no prompt with a token left to compute: such a
+    row would have prefix caching on in name only."""
+    row = {n: v[0] for n, v in DIMENSIONS.items()}
+    assert valid({**row, "prefix": True, "block": 64, "max_len": 128})
+    assert not valid({**row, "prefix": True, "block": 128, "max_len": 128})
+    assert valid({**row, "prefix": True, "block": 128, "max_len": 256}) and valid({**row, "block": 128})
 
 
 # -- known default and one reproducer per signature --------------------------------------------
@@ -192,11 +222,24 @@ def test_a_wrong_draft_is_a_mismatch_and_acceptance_is_counted():
     assert st.mismatches == 1 and st.accepted == 0 and "drafted [2, 3, 1]" in st.examples[0]
 
 
+def test_the_acceptance_distribution_counts_each_case_by_its_best_step():
+    """Per Case, the most drafts one step accepted; a cell's stats add Cases up, and a Case
+    that proposed nothing is not a Case of the distribution."""
+    toks = (1, 2, 3, 1, 2, 3, 1, 2)
+    cell = DraftStats()
+    cell.add(check_drafts({"a": [[4, 3, [2, 3, 9]], [5, 3, [3, 1, 2]]]}, {"a": toks}, 3, 1, 3, 128))  # best: 3
+    cell.add(check_drafts({"b": [[5, 3, [3, 9]]]}, {"b": toks}, 3, 1, 3, 128))  # best: 1
+    cell.add(check_drafts({}, {"c": toks}, 3, 1, 3, 128))  # nothing proposed
+    got = cell.to_json()
+    assert got["cases"] == 2 and got["cases_accepting_2plus"] == 1, got
+    assert got["most_accepted_in_a_step"] == {"1": 1, "3": 1}, got
+
+
 def test_a_short_budget_picks_pairs_per_second_not_just_the_cheapest():
     from fuzz.targets.vllm.covering import budget_plan, startup_cost
 
     rows, k = covering_plan(seed=0)
-    short = budget_plan(rows, k, 300)
+    short = budget_plan(rows, k, 400)
     assert 1 < len(short) < k
     assert coverage(short)[0] > coverage(rows[:len(short)])[0]  # more pairs than the cheapest prefix
     assert len({r["layout"] for r in short}) >= 2
