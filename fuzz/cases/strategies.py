@@ -88,8 +88,10 @@ def request_specs(draw, cfg: EngineConfig, sampling: bool = False) -> RequestSpe
 # "twin": the previous request's prompt again, arriving with it (its hits land on blocks
 # still being prefilled, chunk by chunk); "repeat": the previous request's prompt again,
 # arriving once that one has likely finished, so the hit lands on blocks the pool holds
-# free (ref count 0) but still cached.
-SHARING = ("own", "branch", "prefix", "twin", "repeat")
+# free (ref count 0) but still cached; "turn": the next turn of a conversation, the previous
+# request's prompt and more of its own, arriving once that one has likely finished (turns of
+# turns grow a prefix of many blocks, as chat does).
+SHARING = ("own", "branch", "prefix", "twin", "repeat", "turn")
 # Few salts, so equal prompts under different salts meet often; None (unsalted) shrinks first.
 CACHE_SALTS = (None, "a", "b")
 
@@ -98,8 +100,10 @@ def prefix_lengths(cfg: EngineConfig) -> st.SearchStrategy[int]:
     """Shared-prefix lengths on, one under and one over the first block edges (a hit ends on
     a block edge), and around the token budget (a system prompt longer than a chunk: the
     first chunk ends inside a shared block), plus plain lengths; at most a third of
-    max_model_len, so a branch of it still fits."""
-    bs, budget, cap = cfg.block_size, cfg.max_num_batched_tokens, max(1, cfg.max_model_len // 3)
+    max_model_len, so a branch of it still fits, or a block and a half where a block is more
+    than that third (vLLM's blocks of 64 and 128), so that a prefix can fill a block and hit."""
+    bs, budget = cfg.block_size, cfg.max_num_batched_tokens
+    cap = max(1, cfg.max_model_len // 2, min(bs + bs // 2, cfg.max_model_len - 8))
     edges = sorted({n for k in (1, 2, 3) for n in (k * bs - 1, k * bs, k * bs + 1)}
                    | {n for k in (0, bs) for n in (budget + k - 1, budget + k, budget + k + 1)})
     edges = [n for n in edges if 1 <= n <= cap]
@@ -143,27 +147,36 @@ def shared_workloads(draw, cfg: EngineConfig, max_requests: int = 10, sampling: 
     # A burst: the requests that start with the system prompt arrive together, at the first
     # one's step, so later ones hit blocks whose prefill is still in flight.
     burst = draw(st.booleans()) or mid_block
+    # How many: uniform up to max_requests, at least two (sharing needs two), shrinking to two. A
+    # list's own size is mostly small, and the first request of a prefix never hits: too few
+    # sharers kept the prefix cache's hit rate in vLLM's cells under 0.2.
+    n = draw(st.integers(min(2, max_requests), max_requests))
     drawn = draw(st.lists(st.tuples(request_specs(cfg, sampling), st.sampled_from(SHARING), salts),
-                          min_size=1, max_size=max_requests))
+                          min_size=n, max_size=n))
     reqs: list[RequestSpec] = []
+    kinds = [k for _, k, _ in drawn]
     burst_step = 0 if mid_block else None
     for r, kind, salt in drawn:
         params = r.sampling
-        if kind in ("twin", "repeat") and reqs:
+        if kind in ("twin", "repeat", "turn") and reqs:
             src = reqs[-1]
-            later = steps_to_finish(src, cfg) + r.arrival_step if kind == "repeat" else 0
-            r = RequestSpec(src.prompt_token_ids, min(r.max_tokens, cfg.max_model_len - len(src.prompt_token_ids)),
-                            src.arrival_step + later)
+            later = steps_to_finish(src, cfg) + r.arrival_step if kind != "twin" else 0
+            tokens = src.prompt_token_ids + (r.prompt_token_ids if kind == "turn" else ())
+            tokens = tokens[:max(len(src.prompt_token_ids), cfg.max_model_len - r.max_tokens)]
+            r = RequestSpec(tokens, min(r.max_tokens, cfg.max_model_len - len(tokens)), src.arrival_step + later)
             # The same prompt again: by the same user (its salt) unless another salt is drawn.
             salt = src.cache_salt if salt is None else salt
         elif kind != "own":
+            # Unsalted by draw, a user of the system prompt takes its first user's salt: a
+            # salt is a tenant, and one tenant's requests share (a different salt drawn is another tenant).
+            first = next((q.cache_salt for q, k in zip(reqs, kinds) if k in ("branch", "prefix")), None)
+            salt = first if salt is None else salt
             tokens = prefix + (r.prompt_token_ids if kind == "branch" else ())
             if burst:
                 burst_step = r.arrival_step if burst_step is None else burst_step
             r = RequestSpec(tokens[:cfg.max_model_len - r.max_tokens], r.max_tokens,
                             r.arrival_step if burst_step is None else burst_step)
         reqs.append(RequestSpec(r.prompt_token_ids, r.max_tokens, r.arrival_step, salt, fit(params, r.max_tokens)))
-    kinds = [k for _, k, _ in drawn]
     if mid_block and sum(k in ("branch", "prefix") for k in kinds) < 2 and len(reqs) + 2 <= max_requests:
         # The class needs two requests of the system prompt: the prompt alone, arriving with them.
         salt = next((q.cache_salt for q, k in zip(reqs, kinds) if k in ("branch", "prefix")), None)
@@ -199,7 +212,7 @@ def workloads(draw, cfg: EngineConfig, max_requests: int = 10, sampling: bool = 
     end, which, fill = draw(st.sampled_from(AT_END)), draw(st.integers(0, max_requests - 1)), draw(st.sampled_from(FULL_BATCH))
     drafted, pick = draw(st.sampled_from(drafting.REQUESTS)), draw(st.integers(0, 2 ** 16))
     drafts_full, drafts_short = draw(st.sampled_from(drafting.FULL)), draw(st.integers(1, drafting.MAX_TOKENS))
-    if draw(st.sampled_from((False, True, True, True) if cfg.enable_prefix_caching else (False,) * 3 + (True,))):
+    if draw(st.sampled_from((False,) + (True,) * 7 if cfg.enable_prefix_caching else (False,) * 3 + (True,))):
         wl = draw(shared_workloads(cfg, max_requests, sampling))
     else:
         reqs = draw(st.lists(request_specs(cfg, sampling), min_size=1, max_size=max_requests))

@@ -45,9 +45,11 @@ def config_cells(configs, name, max_requests: int = 8, sampling: bool = False, a
     out = []
     for cfg, opts in configs:
         template = opts.on(Case(cfg, Workload((RequestSpec((1,), 1),))))
-        drawn = workloads(cfg, max_requests, sampling=sampling)
+        # Drawn for the config as the target runs it: prompts share prefixes mostly where it caches them.
+        dcfg = opts.drawn_config(cfg)
+        drawn = workloads(dcfg, max_requests, sampling=sampling)
         if with_aborts:  # one request aborted a few driver steps after it arrives, in some Cases
-            drawn = drawn.flatmap(lambda wl, cfg=cfg: aborts(cfg, wl))
+            drawn = drawn.flatmap(lambda wl, cfg=dcfg: aborts(cfg, wl))
         if adapt is not None:
             drawn = drawn.map(lambda wl, cfg=cfg: adapt(cfg, wl))
         out.append(Cell(name(cfg, opts), drawn.map(_on(template)), template))

@@ -29,6 +29,12 @@ class TargetOptions:
         """A Case's options (the defaults for a Case that has none)."""
         return cls.from_dict(case.target_options)
 
+    def drawn_config(self, cfg):
+        """The config workloads are drawn for (fuzz.cases.strategies.workloads): `cfg` with the
+        EngineConfig fields these options stand for set as they are (a target's prefix caching
+        decides how often prompts share prefixes)."""
+        return cfg
+
     def on(self, case):
         """`case` for this target with these options."""
         return replace(case, target=self.target, target_options=self.to_dict())

@@ -45,19 +45,27 @@ VLLM_MODEL = EngineConfig(
 class VLLMOptions(TargetOptions):
     """vLLM switches that have no EngineConfig field (stored in reproducers' meta).
     `kv_blocks`: 0 lets vLLM size the KV cache (1 GiB: thousands of blocks); N > 0 caps it
-    at N blocks (`num_gpu_blocks_override`), so a batch no longer fits and vLLM preempts."""
+    at N blocks (`num_gpu_blocks_override`), so a batch no longer fits and vLLM preempts.
+    `engine_core_process`: vLLM's engine core in a process of its own, as vLLM serves
+    (VLLM_ENABLE_V1_MULTIPROCESSING=1): requests, aborts and outputs cross its ZMQ queues and
+    the core steps on its own, so an abort lands while a step runs; off, the core runs inside
+    the client's `LLMEngine.step()` (one process fewer to start)."""
 
     target = "vllm"
     label = "vllm_options"
     enable_prefix_caching: bool = False
     async_scheduling: bool = False
     kv_blocks: int = 0
+    engine_core_process: bool = False
 
     def to_dict(self) -> dict:
         d = asdict(self)
         if not d["kv_blocks"]:  # the default is not written: a reproducer without a KV cap has one form
             del d["kv_blocks"]
         return d
+
+    def drawn_config(self, cfg: EngineConfig) -> EngineConfig:
+        return cfg.replace(enable_prefix_caching=self.enable_prefix_caching)
 
     def describe(self) -> str:
         on = [k for k, v in self.to_dict().items() if v is True]
@@ -112,7 +120,7 @@ def parse_cell_name(name: str, base: EngineConfig = VLLM_MODEL) -> tuple[EngineC
         opts = VLLMOptions(**{f: True for f in flags}, kv_blocks=int(m["kv"] or 0))
     except TypeError:
         raise ValueError(f"{name!r}: unknown option in {'+'.join(flags)!r} (known: enable_prefix_caching, "
-                         f"async_scheduling)") from None
+                         f"async_scheduling, engine_core_process)") from None
     try:
         return _fit(base.replace(**ch)), opts
     except ConfigError as e:
@@ -169,8 +177,8 @@ def row_config(row: dict, base: EngineConfig = VLLM_MODEL) -> tuple[EngineConfig
     if row["spec"]:
         ch.update(speculative_method="ngram", num_speculative_tokens=row["spec"])
     kv = -(-row["max_len"] // row["block"]) + 1 if row["kv"] == "small" else 0
-    return _fit(base.replace(**ch)), VLLMOptions(enable_prefix_caching=row["prefix"],
-                                                 async_scheduling=row["async"], kv_blocks=kv)
+    return _fit(base.replace(**ch)), VLLMOptions(enable_prefix_caching=row["prefix"], async_scheduling=row["async"],
+                                                 kv_blocks=kv, engine_core_process=row.get("core") == "process")
 
 
 def plan_dimensions(layouts=VLLM_LAYOUTS, modes=VLLM_MODES) -> dict:
@@ -214,4 +222,4 @@ def config_row(cfg, opts) -> dict | None:
             "spec": cfg.num_speculative_tokens if cfg.speculative_method == "ngram" else 0,
             "budget": cfg.max_num_batched_tokens, "block": cfg.block_size, "prefix": opts.enable_prefix_caching,
             "async": opts.async_scheduling, "dtype": cfg.dtype, "max_len": cfg.max_model_len,
-            "kv": "small" if opts.kv_blocks else "large"}
+            "kv": "small" if opts.kv_blocks else "large", "core": "process" if opts.engine_core_process else "inproc"}

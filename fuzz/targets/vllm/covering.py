@@ -33,14 +33,19 @@ DIMENSIONS: dict[str, tuple] = {
     "dtype": ("float32", "bfloat16"),
     "max_len": (128, 256),                    # max_model_len
     "kv": ("large", "small"),                 # small: a KV cache of ~1 request, forcing preemption
+    "core": ("inproc", "process"),            # the engine core in the client's process or its own
 }
 
 
 def valid(row: dict, excluded=()) -> bool:
     """What vLLM 0.32 refuses by design is not planned: async scheduling with n-gram drafts
-    ("async scheduling is only supported with EAGLE/MTP/Draft Model/NGram GPU"); nor a row
-    that one of `excluded` (fuzz.targets.vllm.known.KnownCrash) kills."""
+    ("async scheduling is only supported with EAGLE/MTP/Draft Model/NGram GPU"); nor prefix
+    caching with a block as long as max_model_len, which can never hit (a hit is a whole block
+    and leaves a prompt's last token to compute: prefix caching would be on in name only); nor
+    a row that one of `excluded` (fuzz.targets.vllm.known.KnownCrash) kills."""
     if row.get("async") and row.get("spec"):
+        return False
+    if row.get("prefix") and row.get("block", 0) >= row.get("max_len", 1 << 30):
         return False
     return not any(k.kills(row) for k in excluded)
 
@@ -50,12 +55,15 @@ def startup_cost(row: dict) -> float:
     engine core in-process, measured on the 2-core machine (docs/vllm.md): eager tp1 4-11 s;
     torch.compile +25 s (tp1 compiled: 28 s); two workers (tp2/pp2): vLLM's CPU platform
     spawns them and each imports vLLM again, +15 s on a quiet machine (tp2 eager: 18 s; 53 s
-    with other work running). The plan's order and how many configs fit use it."""
+    with other work running); the engine core in its own process spawns one more process,
+    which imports vLLM too (+10 s). The plan's order and how many configs fit use it."""
     s = 6.0
     if row["mode"] == "compiled":
         s += 25.0
     if row["layout"] != "tp1pp1":
         s += 15.0
+    if row.get("core") == "process":
+        s += 10.0
     return s
 
 

@@ -102,14 +102,23 @@ def worker_env(cfg: EngineConfig) -> dict[str, str]:
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     env.setdefault("VLLM_DO_NOT_TRACK", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
-    # The engine core in the worker's own process: no second process to spawn and import
-    # vLLM into (measured: tp1 eager start-up 41 s -> 27 s); a crash in the core is then an
-    # exception out of LLMEngine.step() with the core's own traceback.
+    # By default the engine core in the worker's own process: no second process to spawn and
+    # import vLLM into (measured: tp1 eager start-up 41 s -> 27 s); a crash in the core is then
+    # an exception out of LLMEngine.step() with the core's own traceback. An engine's own
+    # setting (VLLMOptions.engine_core_process) is `engine_env`'s.
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     env["PYTHONPATH"] = os.pathsep.join([SITE] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     if cfg.world_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ and cfg.device == "cpu":
         n = os.cpu_count() or 1
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % n) for r in range(cfg.world_size))
+    return env
+
+
+def engine_env(cfg: EngineConfig, opts: VLLMOptions = VLLMOptions()) -> dict[str, str]:
+    """The vLLM settings (VLLM_*) an engine of this config starts with: the worker's
+    environment's, and the engine core in its own process or not as the options say."""
+    env = {k: v for k, v in worker_env(cfg).items() if k.startswith("VLLM_")}
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if opts.engine_core_process else "0"
     return env
 
 

@@ -37,9 +37,14 @@ from fuzz.targets.runs import (RequestResult, TargetFailure, TargetRun, package_
                                signature)
 from fuzz.targets.vllm import launch
 from fuzz.targets.vllm.configs import VLLM_MODEL, VLLMOptions, cell_name
-from fuzz.targets.vllm.launch import checkpoint_dir, llm_kwargs, worker_env
+from fuzz.targets.vllm.launch import checkpoint_dir, engine_env, llm_kwargs, worker_env
 from fuzz.targets.vllm.process import _Worker, dump_stacks, kill_group, read_reply, stop_worker
 from fuzz.targets.vllm.stacks import vllm_frames
+
+
+def start_kind(cfg: EngineConfig, opts: VLLMOptions) -> tuple[int, bool, bool]:
+    """What an engine start's cost depends on: workers, compiled, the core in its own process."""
+    return cfg.world_size, cfg.cudagraph_mode != "NONE", opts.engine_core_process
 
 
 @dataclass
@@ -99,8 +104,8 @@ class VLLMRunner:
 
     @staticmethod
     def config_key(cfg: EngineConfig, opts: VLLMOptions) -> str:
-        return json.dumps({"model": checkpoint_dir(cfg), "kw": llm_kwargs(cfg, opts),
-                           "bind": worker_env(cfg).get("VLLM_CPU_OMP_THREADS_BIND")}, sort_keys=True)
+        return json.dumps({"model": checkpoint_dir(cfg), "kw": llm_kwargs(cfg, opts), "env": engine_env(cfg, opts)},
+                          sort_keys=True)
 
     def _spawn(self, tag: str) -> _Worker:
         """A worker that imports vLLM and waits for its config (`--warm`)."""
@@ -127,7 +132,7 @@ class VLLMRunner:
                 self._kill(w)
             w = self._spawn(cell)
         w.key, w.cell = key, cell
-        env = {k: v for k, v in worker_env(cfg).items() if k.startswith("VLLM_")}
+        env = engine_env(cfg, opts)
         spec = json.dumps({"model": checkpoint_dir(cfg), "llm_kwargs": llm_kwargs(cfg, opts), "env": env})
         t0 = time.perf_counter()
         st.starts += 1
@@ -141,8 +146,7 @@ class VLLMRunner:
         wall = time.perf_counter() - t0
         # Every start is recorded, failed ones too: their time is start-up time as well, and
         # the shrinker's estimate of what a start costs comes from here.
-        self.starts.append({"cell": cell, "seconds": round(wall, 1), "warm": warm,
-                            "kind": [cfg.world_size, cfg.cudagraph_mode != "NONE"],
+        self.starts.append({"cell": cell, "seconds": round(wall, 1), "warm": warm, "kind": list(start_kind(cfg, opts)),
                             "import_s": round(float((reply or {}).get("import_s", 0.0)), 1),
                             "init_s": round(float((reply or {}).get("startup_s", 0.0)), 1),
                             "ok": bool(reply and reply.get("event") == "ready")})

@@ -34,7 +34,7 @@ from dataclasses import replace
 from fuzz.cases.case import RequestSpec, Workload
 from fuzz.targets.base import Cell, Target, Unsupported
 from fuzz.targets.vllm.configs import VLLMOptions, cell_name
-from fuzz.targets.vllm.launch import llm_kwargs, worker_env
+from fuzz.targets.vllm.launch import engine_env, llm_kwargs
 from fuzz.targets.vllm.summary import NOTES, summary_json, summary_table
 
 HARD_SLACK = 0.03  # no engine start or run goes past budget x (1 + this): the 5 % promise, with shut-down
@@ -44,10 +44,12 @@ def reproducer_meta(case, violation, vllm_version: str | None) -> dict:
     """What a vLLM reproducer records beside the Case: the version, the LLM arguments and
     environment it ran with, the crash signature; `target` and `vllm_options` at the top
     level too (the reproducer format's vLLM fields, which fuzz.campaign.reproduce reads)."""
-    opts, env = VLLMOptions.of(case), worker_env(case.config)
+    opts = VLLMOptions.of(case)
+    env = engine_env(case.config, opts)
     meta = {"target": "vllm", "vllm_version": vllm_version, "vllm_options": opts.to_dict(),
             "llm_kwargs": llm_kwargs(case.config, opts),
-            "env": {k: env[k] for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND") if k in env}}
+            "env": {k: env[k] for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND",
+                                        "VLLM_ENABLE_V1_MULTIPROCESSING") if k in env}}
     if getattr(violation, "signature", None):
         meta["signature"] = violation.signature
     return meta
@@ -143,7 +145,7 @@ class VLLMTarget(Target):
         if key in self._start_failed:
             raise violation_for(self._start_failed.pop(key), case)
         if self.deadline is not None and not t.is_live(case.config, opts):
-            if time.monotonic() + self.startup_estimate(case.config) + 5.0 > self.deadline:
+            if time.monotonic() + self.startup_estimate(case.config, opts) + 5.0 > self.deadline:
                 return self._unchecked(case)
         t.deadline = self.deadline
         try:
@@ -162,17 +164,19 @@ class VLLMTarget(Target):
         self._unchecked_since_write += 1
         return Unchecked(case)
 
-    def startup_estimate(self, cfg) -> float:
+    def startup_estimate(self, cfg, opts: VLLMOptions = VLLMOptions()) -> float:
         """Seconds an engine start for `cfg` will take: the longest measured so far for its
-        kind (workers x compiled), else the plan's estimate."""
+        kind (workers x compiled x the core's process), else the plan's estimate."""
         from fuzz.targets.vllm.covering import startup_cost
+        from fuzz.targets.vllm.runner import start_kind
 
-        kind = (cfg.world_size, cfg.cudagraph_mode != "NONE")
+        kind = start_kind(cfg, opts)
         seen = [s["seconds"] for s in self.checker.runner.starts if s.get("kind") == list(kind)]
         if seen:
             return max(seen)
         return startup_cost({"mode": "compiled" if kind[1] else "eager", "dtype": cfg.dtype,
-                             "layout": "tp1pp1" if cfg.world_size == 1 else "tp2pp1"})
+                             "layout": "tp1pp1" if cfg.world_size == 1 else "tp2pp1",
+                             "core": "process" if kind[2] else "inproc"})
 
     def simpler(self, case):
         from engine.config import ConfigError
@@ -346,7 +350,7 @@ def unsupported(f) -> bool:
 
 def simpler_configs(cfg, opts, eager_first: bool = False):
     """One knob of (cfg, opts) back toward the default per candidate, cheapest-to-test first:
-    options (prefix caching, async, KV size), speculation, block size, budget, sequences,
+    options (prefix caching, async, KV size, the core's process), speculation, block size, budget, sequences,
     dtype, max_model_len, then eager, then tp1pp1. `eager_first` (a start-up failure):
     compiled -> eager first, since every later candidate is an engine start and an eager
     start costs a fraction of a compiled one."""
@@ -363,6 +367,8 @@ def simpler_configs(cfg, opts, eager_first: bool = False):
         out.append((cfg, replace(opts, async_scheduling=False)))
     if opts.kv_blocks:
         out.append((cfg, replace(opts, kv_blocks=0)))
+    if opts.engine_core_process:
+        out.append((cfg, replace(opts, engine_core_process=False)))
     if cfg.speculative_method != "none":
         out.append((cfg.replace(speculative_method="none", num_speculative_tokens=0), opts))
     for f in ("block_size", "max_num_batched_tokens", "max_num_seqs", "dtype", "max_model_len"):

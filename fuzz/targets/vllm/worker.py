@@ -103,11 +103,16 @@ def _draft_offsets() -> dict:
 
 
 def _free_blocks(eng):
-    """The KV blocks free in the engine core's pool (None where the core runs in another
-    process, or vLLM keeps it elsewhere)."""
+    """The KV blocks free in the engine core's pool: asked of the core as a utility call where
+    it runs in its own process (site/sitecustomize.py gives EngineCore `llmfuzz_free_blocks`;
+    the call is queued behind the aborts sent before it), read directly where it runs in this
+    one; None where vLLM keeps the pool elsewhere."""
+    client = eng.engine_core
     try:
-        return int(eng.engine_core.engine_core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
-    except AttributeError:
+        if hasattr(client, "call_utility"):
+            return int(client.call_utility("llmfuzz_free_blocks"))
+        return int(client.engine_core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
+    except (AttributeError, TypeError):
         return None
 
 

@@ -49,6 +49,53 @@ def test_the_cells_drop_what_vllm_refuses_and_keep_everything_else():
     assert (p.logit_bias, p.min_p, p.seed, p.stop_token_ids) == ((), 0.0, 3, (5,))
 
 
+def _hits_possible(case) -> tuple[int, int]:
+    """(prompt tokens, tokens a prefix cache could serve): each request, in arrival order, hits
+    the whole blocks of its prompt (its last token excluded) that an earlier request of its salt
+    holds; an upper bound of what vLLM serves (written from the definition, not vLLM's code)."""
+    from fuzz.targets.blackbox import engine_items
+
+    bs, seen, prompt, hit = case.config.block_size, set(), 0, 0
+    items = sorted(enumerate(engine_items(case)), key=lambda x: (x[1][1].arrival_step, x[0]))
+    for _, (_, r) in items:
+        p = r.prompt_token_ids
+        prompt += len(p)
+        n = 0
+        while n < (len(p) - 1) // bs and (r.cache_salt, p[:(n + 1) * bs]) in seen:
+            n += 1
+        hit += n * bs
+        seen |= {(r.cache_salt, p[:(b + 1) * bs]) for b in range(len(p) // bs)}
+    return prompt, hit
+
+
+def test_prefix_caching_cells_draw_prompts_a_cache_can_serve():
+    """With prefix caching on, a cell's prompts share whole blocks: over the plan's caching
+    configs, a prefix cache could serve 30 % of the prompt tokens or more (a block of 64 or 128
+    with max_model_len 128 the least); configs whose block is as long as max_model_len are
+    not planned (no prompt could hit)."""
+    from hypothesis import HealthCheck, Phase, given, seed, settings
+
+    from fuzz.targets.blackbox_target import config_cells
+    from fuzz.targets.vllm.configs import cell_name, plan_rows, row_config
+
+    rows, _ = plan_rows(0)
+    caching = [row_config(r) for r in rows if r["prefix"]]
+    assert caching and all(cfg.block_size < cfg.max_model_len for cfg, _ in caching)
+    total = [0, 0]
+    for cell in config_cells(caching[:6], cell_name, 8, sampling=True, with_aborts=True):
+        @seed(1)
+        @settings(max_examples=60, database=None, deadline=None, phases=[Phase.generate],
+                  suppress_health_check=list(HealthCheck))
+        @given(cell.strategy)
+        def count(case) -> None:
+            p, h = _hits_possible(case)
+            total[0] += p
+            total[1] += h
+
+        count()
+    assert total[1] >= 0.3 * total[0], total
+
+
 def test_a_runs_mix_counts_cached_tokens_and_sampled_requests():
     case = vllm_case(Workload((RequestSpec(tuple(range(8)), 2), RequestSpec(tuple(range(8)), 2, sampling=dict(
         temperature=1.0, seed=1, n=2)), RequestSpec((1,), 1, sampling=dict(presence_penalty=0.5)))))
@@ -245,20 +292,26 @@ def test_planted_penalties_on_another_requests_history_are_caught_by_the_samplin
 
 @pytest.mark.vllm
 @pytest.mark.slow  # two engines
-def test_an_abort_leaves_the_others_checked_and_its_blocks_back_and_a_leak_is_caught(tmp_path, monkeypatch):
+@pytest.mark.parametrize("core", ["inproc", "process"])
+def test_an_abort_leaves_the_others_checked_and_its_blocks_back_and_a_leak_is_caught(tmp_path, monkeypatch, core):
     """vLLM aborts r1 before driver step 2: the others pass every property and the pool's free
     blocks after the run equal those before; with `abort_keeps_blocks` planted (an aborted
-    request's blocks never return) only `vllm_blocks` sees it."""
+    request's blocks never return) only `vllm_blocks` sees it. With the engine core in its own
+    process the abort crosses its queue while the core steps on its own, and the free blocks
+    are asked of the core (a utility call)."""
     pytest.importorskip("vllm")
     from fuzz.targets.vllm.checker import PROPERTIES, VLLMChecker
+    from fuzz.targets.vllm.configs import VLLMOptions
     from fuzz.targets.vllm.runner import VLLMRunner
 
-    wl = Workload((RequestSpec(tuple(range(3, 60)), 6), RequestSpec(tuple(range(80, 140)), 8, abort_step=2),
+    opts = VLLMOptions(engine_core_process=core == "process")
+
+    wl = Workload((RequestSpec(tuple(range(3, 60)), 6), RequestSpec(tuple(range(80, 140)), 40, abort_step=2),
                    RequestSpec((1, 2, 3), 6, arrival_step=1)))
     c = VLLMChecker(VLLMRunner(spare=False, log_dir=str(tmp_path / "clean")), transformers=False)
     try:
-        c.check(vllm_case(wl))
-        run = c.runner.run(vllm_case(wl))
+        c.check(vllm_case(wl, opts=opts))
+        run = c.runner.run(vllm_case(wl, opts=opts))
         assert run.aborted == {"r1": 2} and "r1" not in run.results
         assert run.free_blocks[0] is not None and run.free_blocks[0] == run.free_blocks[1]
     finally:
@@ -267,6 +320,6 @@ def test_an_abort_leaves_the_others_checked_and_its_blocks_back_and_a_leak_is_ca
     c = VLLMChecker(VLLMRunner(spare=False, log_dir=str(tmp_path / "leak")), transformers=False)
     try:
         with pytest.raises(PROPERTIES.blocks, match=r"free blocks before the run and \d+ after it \(aborted: \['r1'\]\)"):
-            c.check(vllm_case(wl))
+            c.check(vllm_case(wl, opts=opts))
     finally:
         c.close()

@@ -9,6 +9,8 @@ process that never imports vLLM pays nothing.
   whole process group when progress stops, then names the hang by the stuck frame
   (fuzz/targets/vllm/stacks.py). One file per process: dumps of several processes would
   interleave in one log.
+- Free blocks: EngineCore gets `llmfuzz_free_blocks`, the KV pool's free blocks, for the
+  worker to ask of a core in its own process as a utility call.
 - Drafts: `LLMFUZZ_VLLM_DRAFTS=DIR` wraps the v1 model runner's `propose_draft_token_ids`
   and appends, per step, each request's n-gram draft with the number of tokens it was
   drafted from to DIR/<pid>.jsonl; llmfuzz recomputes the drafts from the final tokens
@@ -171,7 +173,17 @@ def _patch_penalties(mod) -> None:
     mod.apply_all_penalties = apply_all_penalties
 
 
+def _patch_core(mod) -> None:
+    """EngineCore.llmfuzz_free_blocks: the KV pool's free blocks, which the worker asks for as a
+    utility call when the core runs in its own process (vLLM exposes no such count)."""
+    def llmfuzz_free_blocks(self):
+        return int(self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
+
+    mod.EngineCore.llmfuzz_free_blocks = llmfuzz_free_blocks
+
+
 _PATCHES = {"vllm.v1.worker.gpu_model_runner": _patch_runner,
+            "vllm.v1.engine.core": _patch_core,
             "vllm.v1.spec_decode.ngram_proposer": _patch_ngram,
             "vllm.v1.core.sched.scheduler": _patch_scheduler,
             "vllm.v1.sample.ops.topk_topp_sampler": _patch_sampler,
@@ -208,5 +220,4 @@ class _Hook(importlib.abc.MetaPathFinder):
         return spec
 
 
-if os.environ.get("LLMFUZZ_VLLM_DRAFTS") or _PLANT:
-    sys.meta_path.insert(0, _Hook())
+sys.meta_path.insert(0, _Hook())  # the free-blocks utility is always wanted; the rest check their variables
