@@ -12,7 +12,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from fuzz.campaign.merge import one_per_bug
-from fuzz.targets.vllm.summary import _pairs_exercised
+from fuzz.targets.vllm.summary import _pairs_exercised, reach
 
 
 def _add_cell(into: dict, row: dict) -> dict:
@@ -82,8 +82,8 @@ def vllm_text(doc: dict) -> str:
     for name, c in doc["per_cell"].items():
         rate = f"{c['examples_per_s']:.2f}" if c.get("examples_per_s") else "-"
         rows.append(f"{name:<44}{c['examples']:>9}{rate:>7}{c.get('engine_starts', 0):>7}"
-                    f"{c.get('startup_s', 0.0):>8.1f}{len(c.get('failures') or []):>5}{len(c.get('known') or []):>6}"
-                    f"  {c.get('stopped', '')}")
+                    f"{c.get('startup_s', 0.0):>8.1f}{len(c.get('failures') or []):>5}{len(c.get('known') or []):>6}  "
+                    + " · ".join(x for x in (reach(c), c.get("stopped", "")) if x))
     rows += [f"not reached: {n}" for n in doc["configs_not_reached"]]
     pairs = doc.get("pairs_exercised")
     if pairs:

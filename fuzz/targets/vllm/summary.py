@@ -95,8 +95,8 @@ def reach(notes: dict) -> str:
     if drafts:
         out.append(f"accept>=2 {drafts.get('cases_accepting_2plus', 0)}/{drafts.get('cases', 0)}")
     if mix:
-        out.append(f"sampled {mix.get('sampled', 0)}/{mix.get('requests', 0)} aborted {mix.get('aborted', 0)}")
-    return " ".join(out)
+        out.append(f"sampled {mix.get('sampled', 0)}/{mix.get('requests', 0)}, aborted {mix.get('aborted', 0)}")
+    return ", ".join(out)
 
 
 def summary_table(s, target=None) -> str:

@@ -235,6 +235,16 @@ def test_the_acceptance_distribution_counts_each_case_by_its_best_step():
     assert got["most_accepted_in_a_step"] == {"1": 1, "3": 1}, got
 
 
+def test_the_table_says_what_each_cell_reached():
+    from fuzz.targets.vllm.summary import reach
+
+    notes = {"llm_kwargs": {"enable_prefix_caching": True}, "drafts": {"cases": 142, "cases_accepting_2plus": 82},
+             "mix": {"hit_rate": 0.311, "sampled": 178, "requests": 730, "aborted": 14}}
+    assert reach(notes) == "hit 0.31, accept>=2 82/142, sampled 178/730, aborted 14"
+    assert reach({"llm_kwargs": {"enable_prefix_caching": False}, "mix": notes["mix"]}) == "sampled 178/730, aborted 14"
+    assert reach({}) == ""
+
+
 def test_a_short_budget_picks_pairs_per_second_not_just_the_cheapest():
     from fuzz.targets.vllm.covering import budget_plan, startup_cost
 

@@ -117,3 +117,17 @@ def test_pp2_eager_crash_is_caught_with_its_signature(checker, write_vllm, tmp_p
     # The crashed engine is gone; the next Case on the same config starts a fresh one.
     assert checker.runner.stats["tp1pp2-eager"].failures == 1
 
+
+
+def test_the_stored_self_drafting_prompts_are_accepted_by_vllm(checker):
+    """The vLLM model's stored prompts (fuzz.cases.drafting_prompts), searched on our engine under
+    vLLM's n-gram rule: on vLLM with k = 3, each alone accepts 2 drafts or more in a step, and
+    every draft is the rule's."""
+    from fuzz.cases import drafting
+
+    n = len(drafting.VLLM.prompts)
+    for i in range(n):
+        checker.check(vllm_case([(drafting.prompt(i, drafting.VLLM), 5)], speculative_method="ngram",
+                                num_speculative_tokens=3))
+    stats = checker.draft_stats["tp1pp1-eager-ngram3"].to_json()
+    assert stats["draft_mismatches"] == 0 and stats["cases"] == stats["cases_accepting_2plus"] == n, stats
