@@ -12,7 +12,8 @@ largest |delta logprob| over the positions compared (each request up to its firs
 divergence), and every divergence's margin (the oracle's top-1 minus top-2). The checker runs
 with the dtype formula's bound (half_rule off) so that no comparison stops the measurement;
 per Case the noise (ReferenceRunner.half_noise) and each oracle's error / noise, and the
-largest error / bound under the rule in force.
+largest error / bound under the rule in force. `measure` does it for any black-box checker
+(bench/vllm_bf16_error.py: vLLM's).
 """
 from __future__ import annotations
 
@@ -20,11 +21,57 @@ import argparse
 import json
 
 
-def main() -> None:
+def dist(xs: list[float]) -> dict:
+    xs = sorted(xs)
+    return {"min": xs[0], "median": xs[len(xs) // 2], "p95": xs[int(0.95 * (len(xs) - 1))], "max": xs[-1]} if xs else {}
+
+
+def measure(chk, cfg, on, cases: int, max_requests: int = 6) -> dict:
+    """Run `cases` drawn workloads on `cfg` (each Case made the target's by `on(case)`) through
+    `chk` (a BlackBoxChecker with half_rule off) and return the errors against the noise and
+    against the bf16 rule's bound, per oracle."""
     from hypothesis import HealthCheck, given, settings
 
     from fuzz.cases.case import Case
     from fuzz.cases.strategies import workloads
+    from fuzz.verdict.tolerance import BLACKBOX_HALF_RULES
+
+    rule = BLACKBOX_HALF_RULES["bfloat16"]
+    worst: dict[str, float] = {}
+    stats = {"cases": 0, "positions": 0, "divergences": 0, "largest_divergence_margin": 0.0, "min_tolerance": 1e9}
+    ratios: dict[str, list[float]] = {}  # oracle -> error / noise per Case
+    over: list[float] = []  # per Case: the largest error / the rule's bound
+    noises: list[float] = []
+    per_case: list = []  # per Case: [noise, {oracle: error}], to weigh another rule on the same data
+
+    @settings(max_examples=cases, database=None, derandomize=True, deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(workloads(cfg, max_requests))
+    def one(wl):
+        v = chk.check(on(Case(cfg, wl)))
+        stats["cases"] += 1
+        stats["positions"] += v.vs_reference.positions
+        stats["min_tolerance"] = min(stats["min_tolerance"], v.lp_tol)
+        noise = chk.reference.half_noise(v.case)
+        noises.append(noise)
+        bound = rule.k * noise + rule.atol
+        over.append(max(rep.max_lp_error for rep in v.oracles.values()) / bound)
+        per_case.append([noise, {name: rep.max_lp_error for name, rep in v.oracles.items()}])
+        for name, rep in v.oracles.items():
+            worst[name] = max(worst.get(name, 0.0), rep.max_lp_error)
+            ratios.setdefault(name, []).append(rep.max_lp_error / noise if noise else float("inf"))
+            for d in getattr(rep, "divergences", []):
+                stats["divergences"] += 1
+                stats["largest_divergence_margin"] = max(stats["largest_divergence_margin"], d[-1])
+                stats["max_margin_over_rule_bound"] = max(stats.get("max_margin_over_rule_bound", 0.0), d[-1] / bound)
+
+    one()
+    return {**stats, "max_error_over_rule_bound": max(over, default=0.0), "error_over_rule_bound": dist(over),
+            "max_lp_error": worst, "rule": {"k": rule.k, "atol": rule.atol}, "noise": dist(noises),
+            "error_over_noise": {k: dist(v) for k, v in ratios.items()}, "per_case": per_case}
+
+
+def main() -> None:
     from fuzz.targets.transformers_cb.configs import CB_MODEL, CBOptions
     from fuzz.targets.transformers_cb.target import CBChecker
 
@@ -33,47 +80,11 @@ def main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
     cfg = CB_MODEL.replace(dtype="bfloat16", max_num_batched_tokens=16)
-    from fuzz.verdict.tolerance import BLACKBOX_HALF_RULES
-
-    rule = BLACKBOX_HALF_RULES["bfloat16"]
     chk = CBChecker(transformers=True, half_rule=False)
-    worst: dict[str, float] = {}
-    stats = {"cases": 0, "positions": 0, "divergences": 0, "largest_divergence_margin": 0.0, "min_tolerance": 1e9}
-    ratios: dict[str, list[float]] = {}  # oracle -> error / noise per Case
-    noises: list[float] = []
-
-    @settings(max_examples=args.cases, database=None, derandomize=True, deadline=None,
-              suppress_health_check=list(HealthCheck))
-    @given(workloads(cfg, 6))
-    def one(wl):
-        v = chk.check(CBOptions().on(Case(cfg, wl)))
-        stats["cases"] += 1
-        stats["positions"] += v.vs_reference.positions
-        stats["min_tolerance"] = min(stats["min_tolerance"], v.lp_tol)
-        noise = chk.reference.half_noise(v.case)
-        noises.append(noise)
-        for name, rep in v.oracles.items():
-            worst[name] = max(worst.get(name, 0.0), rep.max_lp_error)
-            ratios.setdefault(name, []).append(rep.max_lp_error / noise if noise else float("inf"))
-            bound = rule.k * noise + rule.atol
-            stats["max_error_over_rule_bound"] = max(stats.get("max_error_over_rule_bound", 0.0),
-                                                     rep.max_lp_error / bound)
-            for d in getattr(rep, "divergences", []):
-                stats["divergences"] += 1
-                stats["largest_divergence_margin"] = max(stats["largest_divergence_margin"], d[-1])
-                stats["max_margin_over_rule_bound"] = max(stats.get("max_margin_over_rule_bound", 0.0),
-                                                          d[-1] / (rule.k * noise + rule.atol))
-
     try:
-        one()
+        doc = {**measure(chk, cfg, CBOptions().on, args.cases), "transformers_version": chk.runner.version}
     finally:
         chk.close()
-    def dist(xs):
-        xs = sorted(xs)
-        return {"min": xs[0], "median": xs[len(xs) // 2], "p95": xs[int(0.95 * (len(xs) - 1))], "max": xs[-1]} if xs else {}
-
-    doc = {**stats, "max_lp_error": worst, "rule": {"k": rule.k, "atol": rule.atol}, "noise": dist(noises),
-           "error_over_noise": {k: dist(v) for k, v in ratios.items()}, "transformers_version": chk.runner.version}
     print(json.dumps(doc, indent=1))
     if args.out:
         with open(args.out, "w") as f:

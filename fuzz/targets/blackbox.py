@@ -212,8 +212,11 @@ class BlackBoxChecker:
     transformers oracle where `transformers` imports, True requires it, False skips it.
     `prompt_logprobs`: ask for them in the batch run (where the runner supports them and
     `wants_prompt_logprobs` agrees) and check them against transformers. `half_rule`: in
-    bf16/fp16, bound logprob errors by the measured noise (BLACKBOX_HALF_RULES) rather than the
+    bf16/fp16, bound logprob errors by the measured noise (`half_rules`, by dtype: the
+    black-box rule, BLACKBOX_HALF_RULES, unless a target calibrated its own) rather than the
     dtype formula (False: the formula, tens of nats: greedy agreement and little more)."""
+
+    half_rules = BLACKBOX_HALF_RULES
 
     def __init__(self, runner, name: str = "target", *, reference: ReferenceRunner | None = None,
                  batch_invariance: bool = True, solo_cache_size: int = 4096, transformers: bool | None = None,
@@ -316,7 +319,7 @@ class BlackBoxChecker:
     def tolerance(self, case: Case) -> float:
         """The Case's logprob bound: in half precision k x the noise our engine makes in that
         dtype + atol, where the rule is on; else the dtype formula (logprob_tolerance)."""
-        rule = BLACKBOX_HALF_RULES.get(case.config.dtype) if self.half_rule else None
+        rule = self.half_rules.get(case.config.dtype) if self.half_rule else None
         if rule is None:
             return logprob_tolerance(case.config, self.reference.logit_absmax(case))
         return rule.k * self.reference.half_noise(case) + rule.atol

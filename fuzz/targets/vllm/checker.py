@@ -34,6 +34,7 @@ from fuzz.targets.blackbox import (BlackBoxChecker, BlackBoxVerdict, TargetBatch
                                    TargetHang, TargetSampling, TargetVsReference, TargetVsTransformers, engine_items,
                                    logprob_tolerance, properties_for)
 from fuzz.verdict.properties import EngineViolation
+from fuzz.verdict.tolerance import VLLM_HALF_RULES
 from fuzz.targets.reference import ReferenceRunner
 from fuzz.targets.runs import TargetFailure, TargetRun
 from fuzz.targets.vllm.configs import VLLM_MODEL, VLLMOptions, cell_name
@@ -105,13 +106,16 @@ class VLLMChecker(BlackBoxChecker):
     against transformers, except with prefix caching on (vLLM does not read the prefix cache
     for a request that asks for them, which would hide what is under test).
 
-    `half_rule` is off by default: the measured-noise bound for bf16/fp16 (BlackBoxChecker) was
-    calibrated on transformers' kernels, not yet on vLLM's, so bf16 vLLM configs keep the dtype
-    formula's bound (tens of nats: greedy agreement and near-tie margins only; docs/vllm.md)."""
+    bf16 is checked by the measured-noise rule calibrated on vLLM's CPU kernels
+    (fuzz.verdict.tolerance.VLLM_HALF_RULES): |vLLM - oracle| <= k x our engine's bf16 noise on
+    the Case + atol; `half_rule=False` falls back to the dtype formula's bound (tens of nats:
+    greedy agreement and little more)."""
+
+    half_rules = VLLM_HALF_RULES
 
     def __init__(self, runner: VLLMRunner | None = None, reference: ReferenceRunner | None = None,
                  batch_invariance: bool = True, solo_cache_size: int = 4096, transformers: bool | None = None,
-                 prompt_logprobs: bool = True, half_rule: bool = False) -> None:
+                 prompt_logprobs: bool = True, half_rule: bool = True) -> None:
         super().__init__(runner or VLLMRunner(), "vllm", reference=reference, batch_invariance=batch_invariance,
                          solo_cache_size=solo_cache_size, transformers=transformers,
                          prompt_logprobs=prompt_logprobs, label="vLLM", props=PROPERTIES, half_rule=half_rule)

@@ -323,3 +323,29 @@ def test_an_abort_leaves_the_others_checked_and_its_blocks_back_and_a_leak_is_ca
             c.check(vllm_case(wl, opts=opts))
     finally:
         c.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow  # two engines
+def test_planted_wrong_kv_row_is_caught_in_bf16_by_the_measured_noise_rule_only(tmp_path, monkeypatch):
+    """`wrong_kv_row`: a decode in a context of 40 tokens or more reads position 30's K/V at
+    position 10. In bf16 the error is a few tenths of a nat: past the vLLM noise rule's bound
+    (k x our engine's bf16 noise + atol), far under the dtype formula's (tens of nats). The
+    clean engine passes the same Case under the rule."""
+    pytest.importorskip("vllm")
+    from fuzz.cases.strategies import tokens_from_seed
+    from fuzz.targets.vllm.checker import VLLMChecker, VLLMvsReference
+    from fuzz.targets.vllm.runner import VLLMRunner
+
+    case = vllm_case(Workload((RequestSpec(tokens_from_seed(0, 44, 256), 8),)), dtype="bfloat16")
+    v = _planted_check(tmp_path, monkeypatch, "", case)
+    assert v.lp_tol < 1.0  # the rule's bound, not the formula's
+    monkeypatch.setenv("LLMFUZZ_VLLM_PLANT", "wrong_kv_row")
+    c = VLLMChecker(VLLMRunner(spare=False, log_dir=str(tmp_path / "planted")), transformers=False)
+    try:
+        with pytest.raises(VLLMvsReference, match="r0"):
+            c.check(case)
+        c.half_rule = False  # the dtype formula: blind to it
+        assert c.check(case).lp_tol > 10.0
+    finally:
+        c.close()

@@ -28,7 +28,10 @@ process that never imports vLLM pays nothing.
   `penalties_rows_reversed`: the sampler's penalties count the output tokens of the batch's
   rows in reverse order (each request penalised by another's history, as after a reorder
   that moved the rows but not their state);
-  `abort_keeps_blocks`: the scheduler never returns an aborted request's KV blocks to the pool.
+  `abort_keeps_blocks`: the scheduler never returns an aborted request's KV blocks to the pool;
+  `wrong_kv_row`: a decode reads one wrong KV row: in a context of 40 tokens or more, position
+  10's K and V are position 30's, in every layer, for that call only (a stale or misplaced
+  cache row: the error is small, and in bf16 only a measured-noise bound sees it).
 """
 import faulthandler
 import importlib.abc
@@ -182,7 +185,37 @@ def _patch_core(mod) -> None:
     mod.EngineCore.llmfuzz_free_blocks = llmfuzz_free_blocks
 
 
+def _patch_cpu_attention(mod) -> None:
+    if _PLANT != "wrong_kv_row":
+        return
+    orig = mod.CPUAttentionBackendImpl.forward
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *a, **kw):
+        md = attn_metadata
+        if md is None or kv_cache is None or not kv_cache.numel():
+            return orig(self, layer, query, key, value, kv_cache, md, output, *a, **kw)
+        num_blocks, heads, bs, _ = kv_cache.shape
+        kv = kv_cache.view(num_blocks, heads, bs * 2, -1)  # keys at offsets [0, bs), values at [bs, 2 bs)
+        starts, lens = md.query_start_loc.tolist(), md.seq_lens.tolist()
+        saved = []
+        for i, seq_len in enumerate(lens):
+            if starts[i + 1] - starts[i] != 1 or seq_len < 40:
+                continue  # decodes of long contexts only
+            (ba, oa), (bb, ob) = [(int(md.block_table[i, p // bs]), p % bs) for p in (10, 30)]
+            for off in (0, bs):  # K, then V
+                saved.append((ba, oa + off, kv[ba, :, oa + off].clone()))
+                kv[ba, :, oa + off] = kv[bb, :, ob + off]
+        try:
+            return orig(self, layer, query, key, value, kv_cache, md, output, *a, **kw)
+        finally:
+            for b, o, row in reversed(saved):
+                kv[b, :, o] = row
+
+    mod.CPUAttentionBackendImpl.forward = forward
+
+
 _PATCHES = {"vllm.v1.worker.gpu_model_runner": _patch_runner,
+            "vllm.v1.attention.backends.cpu_attn": _patch_cpu_attention,
             "vllm.v1.engine.core": _patch_core,
             "vllm.v1.spec_decode.ngram_proposer": _patch_ngram,
             "vllm.v1.core.sched.scheduler": _patch_scheduler,
