@@ -99,9 +99,9 @@ CACHE_SALTS = (None, "a", "b")
 def prefix_lengths(cfg: EngineConfig) -> st.SearchStrategy[int]:
     """Shared-prefix lengths on, one under and one over the first block edges (a hit ends on
     a block edge), and around the token budget (a system prompt longer than a chunk: the
-    first chunk ends inside a shared block), plus plain lengths; at most a third of
-    max_model_len, so a branch of it still fits, or a block and a half where a block is more
-    than that third (vLLM's blocks of 64 and 128), so that a prefix can fill a block and hit."""
+    first chunk ends inside a shared block), plus plain lengths; at most half of max_model_len,
+    so a branch of it still fits, or a block and a half where that is longer (vLLM's block of
+    64 at max_model_len 128), so that a prefix can fill a block and still hit."""
     bs, budget = cfg.block_size, cfg.max_num_batched_tokens
     cap = max(1, cfg.max_model_len // 2, min(bs + bs // 2, cfg.max_model_len - 8))
     edges = sorted({n for k in (1, 2, 3) for n in (k * bs - 1, k * bs, k * bs + 1)}
@@ -147,10 +147,10 @@ def shared_workloads(draw, cfg: EngineConfig, max_requests: int = 10, sampling: 
     # A burst: the requests that start with the system prompt arrive together, at the first
     # one's step, so later ones hit blocks whose prefill is still in flight.
     burst = draw(st.booleans()) or mid_block
-    # How many: uniform up to max_requests, at least two (sharing needs two), shrinking to two. A
-    # list's own size is mostly small, and the first request of a prefix never hits: too few
-    # sharers kept the prefix cache's hit rate in vLLM's cells under 0.2.
-    n = draw(st.integers(min(2, max_requests), max_requests))
+    # How many: two to eight (or max_requests), uniform, shrinking to two (sharing needs two). A
+    # list's own size is mostly one or two, and the first request of a prefix never hits: so few
+    # sharers kept the prefix cache's hit rate in vLLM's cells under 0.2 (eight: vLLM's max_num_seqs).
+    n = draw(st.integers(min(2, max_requests), min(8, max_requests)))
     drawn = draw(st.lists(st.tuples(request_specs(cfg, sampling), st.sampled_from(SHARING), salts),
                           min_size=n, max_size=n))
     reqs: list[RequestSpec] = []

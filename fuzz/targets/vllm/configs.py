@@ -60,8 +60,10 @@ class VLLMOptions(TargetOptions):
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        if not d["kv_blocks"]:  # the default is not written: a reproducer without a KV cap has one form
-            del d["kv_blocks"]
+        # Later fields at their defaults are not written: a reproducer without them keeps one form.
+        for k in ("kv_blocks", "engine_core_process"):
+            if not d[k]:
+                del d[k]
         return d
 
     def drawn_config(self, cfg: EngineConfig) -> EngineConfig:
