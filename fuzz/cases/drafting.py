@@ -126,11 +126,12 @@ def self_drafting(cfg: EngineConfig, r: RequestSpec) -> bool:
     """Whether request `r` of a Case on `cfg` drafts MIN_ACCEPTED tokens or more at its first
     decode that greedy decoding goes on with (all of them verified, unless the token budget
     cuts them): a stored prompt at a drafting length, decoded greedily (penalties and a logit
-    bias would move the continuation), with room for MIN_ACCEPTED drafts and a bonus token."""
+    bias would move the continuation), with room for MIN_ACCEPTED drafts and a bonus token, and
+    not aborted (which may come before its first decode)."""
     p, tab = r.sampling, table(cfg)
     plain = p is None or (p.is_greedy and not p.has_penalties and not p.logit_bias)
     return (tab is not None and cfg.num_speculative_tokens >= MIN_ACCEPTED and r.max_tokens >= 2 + MIN_ACCEPTED
-            and r.prompt_token_ids in _at_cuts(tab) and plain)
+            and r.prompt_token_ids in _at_cuts(tab) and plain and r.abort_step is None)
 
 
 def expected_draft(tokens: list[int] | tuple, n: int, k: int, min_n: int, max_n: int, max_model_len: int) -> list[int]:
