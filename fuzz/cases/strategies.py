@@ -129,10 +129,10 @@ def cache_salts(draw, cfg: EngineConfig) -> st.SearchStrategy[str | None]:
 def shared_workloads(draw, cfg: EngineConfig, max_requests: int = 10, sampling: bool = False) -> Workload:
     """Requests that share prefixes: a system prompt several of them start with (branches,
     and the prompt alone; in a burst, arriving together), exact repeats arriving with the
-    first or after it finished, prompts on and around block and chunk edges, and, with prefix
-    caching on, cache salts from a tiny set (equal tokens under different salts must not
-    share KV). Every choice shrinks to "own", no burst and an unsalted request, i.e. to the
-    plain workloads."""
+    first or after it finished, the next turns of a conversation, prompts on and around block
+    and chunk edges, and, with prefix caching on, cache salts from a tiny set (equal tokens
+    under different salts must not share KV). Every choice shrinks to "own", no burst, two
+    requests and an unsalted request, i.e. to the plain workloads."""
     # The class of docs/bug_classes.md#prefix_hit_mid_block_counted_full, in two of these
     # workloads in three where the budget allows (`mid_block_plan`): a system prompt through
     # the block the first prefill chunk ends inside, its requests in a burst at step 0 (after
@@ -188,6 +188,8 @@ def shared_workloads(draw, cfg: EngineConfig, max_requests: int = 10, sampling: 
         event("concurrent repeat")
     if "repeat" in kinds[1:]:
         event("repeat after finish")
+    if "turn" in kinds[1:]:
+        event("next turn")
     if len({r.cache_salt for r in reqs}) > 1:
         event("mixed cache salts")
     room = len(reqs) < max_requests  # never more requests than asked for

@@ -5,7 +5,8 @@ How it runs
 `VLLMRunner` keeps ONE `vllm.LLM` alive across Cases (a run of a few requests costs well
 under a second), in a child process (`worker.py`, run by the Python that has vLLM:
 `LLMFUZZ_VLLM_PYTHON`, else this one), with vLLM's engine core in that same process
-(`VLLM_ENABLE_V1_MULTIPROCESSING=0`: one process fewer to spawn and import vLLM into). A
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`: one process fewer to spawn and import vLLM into), or in
+its own where the config says so (`VLLMOptions.engine_core_process`, as vLLM serves). A
 Case whose vLLM config differs from the live engine's shuts it down and starts another
 (one engine at a time: memory and cores are scarce) in the SPARE worker, which imported
 vLLM while the previous config was fuzzed; each start is recorded in `starts`.

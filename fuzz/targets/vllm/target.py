@@ -350,8 +350,8 @@ def unsupported(f) -> bool:
 
 def simpler_configs(cfg, opts, eager_first: bool = False):
     """One knob of (cfg, opts) back toward the default per candidate, cheapest-to-test first:
-    options (prefix caching, async, KV size, the core's process), speculation, block size, budget, sequences,
-    dtype, max_model_len, then eager, then tp1pp1. `eager_first` (a start-up failure):
+    options (prefix caching, async, KV size, the core's process), speculation, block size,
+    budget, sequences, dtype, max_model_len, then eager, then tp1pp1. `eager_first` (a start-up failure):
     compiled -> eager first, since every later candidate is an engine start and an eager
     start costs a fraction of a compiled one."""
     from fuzz.targets.vllm.configs import VLLM_MODEL, _fit
