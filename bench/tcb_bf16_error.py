@@ -71,6 +71,19 @@ def measure(chk, cfg, on, cases: int, max_requests: int = 6) -> dict:
             "error_over_noise": {k: dist(v) for k, v in ratios.items()}, "per_case": per_case}
 
 
+def report(chk, cfg, on, cases: int, version, out: str | None, command: str) -> None:
+    """`measure`, then `chk` closed; print the result with `version(chk)` (what ran it) and, with
+    `out`, write it there with the command that made it."""
+    try:
+        doc = {**measure(chk, cfg, on, cases), **version(chk)}
+    finally:
+        chk.close()
+    print(json.dumps(doc, indent=1))
+    if out:
+        with open(out, "w") as f:
+            json.dump({**doc, "command": command, "machine": "cpu (2 shared cores)"}, f, indent=1)
+
+
 def main() -> None:
     from fuzz.targets.transformers_cb.configs import CB_MODEL, CBOptions
     from fuzz.targets.transformers_cb.target import CBChecker
@@ -80,16 +93,9 @@ def main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
     cfg = CB_MODEL.replace(dtype="bfloat16", max_num_batched_tokens=16)
-    chk = CBChecker(transformers=True, half_rule=False)
-    try:
-        doc = {**measure(chk, cfg, CBOptions().on, args.cases), "transformers_version": chk.runner.version}
-    finally:
-        chk.close()
-    print(json.dumps(doc, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({**doc, "command": f"PYTHONPATH=$PWD python bench/tcb_bf16_error.py --cases {args.cases}",
-                       "machine": "cpu (2 shared cores)"}, f, indent=1)
+    report(CBChecker(transformers=True, half_rule=False), cfg, CBOptions().on, args.cases,
+           lambda chk: {"transformers_version": chk.runner.version}, args.out,
+           f"PYTHONPATH=$PWD python bench/tcb_bf16_error.py --cases {args.cases}")
 
 
 if __name__ == "__main__":

@@ -15,11 +15,10 @@ with the dtype formula's bound (half_rule off), so that no comparison stops the 
 from __future__ import annotations
 
 import argparse
-import json
 
 
 def main() -> None:
-    from bench.tcb_bf16_error import measure
+    from bench.tcb_bf16_error import report
     from fuzz.targets.vllm.checker import VLLMChecker
     from fuzz.targets.vllm.configs import COMPILED, VLLM_MODEL, VLLMOptions
 
@@ -32,18 +31,10 @@ def main() -> None:
     args = ap.parse_args()
     cfg = VLLM_MODEL.replace(dtype="bfloat16", max_num_batched_tokens=args.budget, layout=args.layout,
                              **(COMPILED if args.mode == "compiled" else {}))
-    chk = VLLMChecker(half_rule=False)
-    try:
-        doc = {**measure(chk, cfg, VLLMOptions().on, args.cases), "vllm_version": chk.runner.vllm_version}
-    finally:
-        chk.close()
-    print(json.dumps(doc, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({**doc, "command": "PYTHONPATH=$PWD LLMFUZZ_VLLM_PYTHON=$VENV/bin/python $VENV/bin/python "
-                       "bench/vllm_bf16_error.py "
-                       f"--cases {args.cases} --budget {args.budget} --layout {args.layout} --mode {args.mode}",
-                       "machine": "cpu (2 shared cores)"}, f, indent=1)
+    report(VLLMChecker(half_rule=False), cfg, VLLMOptions().on, args.cases,
+           lambda chk: {"vllm_version": chk.runner.vllm_version}, args.out,
+           "PYTHONPATH=$PWD LLMFUZZ_VLLM_PYTHON=$VENV/bin/python $VENV/bin/python bench/vllm_bf16_error.py "
+           f"--cases {args.cases} --budget {args.budget} --layout {args.layout} --mode {args.mode}")
 
 
 if __name__ == "__main__":

@@ -72,10 +72,6 @@ def table(cfg: EngineConfig) -> Table | None:
     return model_table(cfg) if cfg.speculative_method == "ngram" else None
 
 
-def applies(cfg: EngineConfig) -> bool:
-    return table(cfg) is not None
-
-
 def prompt(which: int, tab: Table = FUZZ) -> tuple[int, ...]:
     """Stored prompt `which` of `tab`: entry `which % len` at its `which // len`-th drafting
     length (modulo their number). 0, what a shrink leaves: the first at its shortest."""
@@ -106,7 +102,7 @@ def add_requests(wl: Workload, cfg: EngineConfig, count: int, which: int, max_re
                  max_tokens: int = MAX_TOKENS) -> Workload:
     """`wl` and `count` self-drafting requests (prompts `which`, `which + 1`, ...; `max_tokens`
     output tokens, or what max_model_len leaves) arriving one step after its first ones; as
-    is where the stored prompts do not apply (`applies`), and no more than `max_requests` in all."""
+    is where the stored prompts do not apply (`table`), and no more than `max_requests` in all."""
     count, tab = min(count, max_requests - len(wl.requests)), table(cfg)
     if count <= 0 or tab is None:
         return wl
