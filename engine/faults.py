@@ -259,6 +259,16 @@ SCHED_DRAFTS_OVER_BUDGET = register(
         "with n-gram drafting, a budget the first decode leaves 2 tokens of, a second decode "
         "with 2 drafts. See docs/bug_classes.md#sched_drafts_over_budget.",
     needs="speculative decoding; a drafting decode where the token budget runs out")
+ASYNC_QUEUE_DEPTH_IGNORED = register(
+    "async_queue_depth_ignored", where="engine/llm_engine.py: LLMEngine._queue_depth",
+    doc="The batch queue is sized by PP stages alone, as if async scheduling were off (vLLM's "
+        "max_concurrent_batches computed from pipeline_parallel_size without async_scheduling): "
+        "at pp1 one microbatch is in flight, so no step is ever scheduled ahead and async "
+        "scheduling is on in the config and off in fact. Outputs stay bit-identical, and a "
+        "serving engine loses the overlap it was configured for; the driver's depth check names "
+        "the step. Minimum: tp1pp1 with async scheduling, one request of 1 token. "
+        "See docs/bug_classes.md#async_queue_depth_ignored.",
+    needs="async_scheduling at pp1; a step the Schedule schedules ahead")
 
 # Faults that change what a graph bakes at capture (split-K: a branch of the traced layer):
 # with one on, a Case's own first batches must capture (CUDAGraphRunner.reset), so its

@@ -15,7 +15,7 @@ import torch
 
 from engine.attention.selector import get_attn_backend
 from engine.config import ConfigError, EngineConfig
-from engine.faults import FaultSet
+from engine.faults import ASYNC_QUEUE_DEPTH_IGNORED, FaultSet
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.poison import check_mode
 from engine.sample.requests import (check_request_params, check_stop, fan_out, merge_prompt_logprobs,
@@ -106,7 +106,8 @@ class LLMEngine:
         if sc.async_scheduling and not self.cfg.async_scheduling:
             raise ConfigError("scheduler_config: async_scheduling on an engine built without it "
                               "(its ranks keep sampled tokens for placeholders only when built with it)")
-        self.scheduler = Scheduler(sc, FaultSet(faults))
+        self.fault_set = FaultSet(faults)
+        self.scheduler = Scheduler(sc, self.fault_set)
         # The engine's own draws (run ahead or wait), seeded by the Schedule like the ranks'.
         self.async_driver = ScheduleDriver(schedule or Schedule())
         self.limits = ScheduleLimits(sc)  # the scheduler's limits, rechecked from its outputs alone
@@ -164,16 +165,18 @@ class LLMEngine:
 
     def step(self, between: Callable[[], None] | None = None) -> list[str]:
         """Fill the batch queue, finish the oldest microbatch; return finished request ids.
-        With async scheduling the queue takes one more microbatch than PP stages (at least 2),
-        so the next step is scheduled, its decodes ahead of the one in flight, first.
+        The queue holds a microbatch per PP stage; with async scheduling at least two, so that
+        at pp1 the next step is scheduled, its decodes ahead of the one in flight, first.
         `between` runs once the queue is filled, before the oldest microbatch returns: what a
         client sends while the step runs (an abort of a request in flight)."""
         self.step_count += 1
         ahead = self.spec_cfg.async_scheduling and self.async_driver.schedule_ahead()
-        while len(self.in_flight) < (max(self.cfg.pp, 2) if ahead else self.cfg.pp):
+        depth, drained = self._queue_depth(ahead), False
+        while len(self.in_flight) < depth:
             short = self.scheduler.kv.num_short_allocations
             so = self.scheduler.schedule(ahead=ahead)
             if so is None:
+                drained = True
                 break
             broken = self.limits.check(so, {r for s, _ in self.in_flight for r in s.num_scheduled_tokens},
                                        pool_short=self.scheduler.kv.num_short_allocations != short)
@@ -184,6 +187,9 @@ class LLMEngine:
                       if self.scheduler.requests[rid].num_computed_tokens >= self.scheduler.requests[rid].num_tokens}
             self.executor.submit(so)
             self.in_flight.append((so, expect))
+        shallow = self.limits.check_depth(len(self.in_flight), ahead, drained)
+        if shallow is not None:
+            raise EngineInvariantError(f"pipeline depth: {shallow}")
         self.trace.max_in_flight = max(self.trace.max_in_flight, len(self.in_flight))
         if between is not None:  # what arrives while the step runs (a client's abort)
             between()
@@ -209,6 +215,13 @@ class LLMEngine:
         self.trace.num_preemptions = self.scheduler.num_preemptions
         self.trace.num_async_steps = self.scheduler.num_async_steps
         return finished
+
+    def _queue_depth(self, ahead: bool) -> int:
+        """Microbatches kept in flight: one per PP stage, and two at pp1 when a step is
+        scheduled ahead (vLLM's max_concurrent_batches), so async scheduling overlaps."""
+        if ahead and not self.fault_set.on(ASYNC_QUEUE_DEPTH_IGNORED):
+            return max(self.cfg.pp, 2)
+        return self.cfg.pp
 
     def _take_tokens(self, so: SchedulerOutput, out: ModelRunnerOutput,
                      expect: dict[str, int]) -> tuple[dict[str, list[int]], dict[str, int]]:

@@ -26,6 +26,10 @@ each has) plus each request's prompt length and max_tokens as it was added, and 
   - a request holds no more KV blocks than the furthest position it was scheduled to needs
     (with EAGLE's lookahead); an over-allocation computes the same tokens with fewer blocks
     left for the others;
+  - the pipeline is kept full (`check_depth`, once the driver has filled its batch queue):
+    a microbatch in flight per PP stage, and two at pp1 on a step scheduled ahead under
+    async scheduling, unless the scheduler had nothing more to schedule. A shallower queue
+    computes the same tokens in more steps (async scheduling that never overlaps);
   - the budget is not left idle: a microbatch with tokens to spare schedules every held
     request that has no step in flight, each for every token the ranks know of it, unless the
     KV pool turned an allocation down meanwhile (the driver says so, from the KV manager). A
@@ -92,6 +96,17 @@ class ScheduleLimits:
                 return f"{mb}: request {rid}: {problem}"
         idle = None if pool_short else self._check_work_conserving(so, starts, in_flight)
         return f"{mb}: {idle}" if idle else None
+
+    def check_depth(self, in_flight: int, ahead: bool, drained: bool) -> str | None:
+        """`in_flight`: microbatches in flight once the driver filled its queue; `ahead`: this
+        step schedules ahead (async scheduling); `drained`: the scheduler's last answer was
+        that nothing more can be scheduled now."""
+        depth = max(self.cfg.pipeline_parallel_size, 2 if ahead else 1)
+        if in_flight < depth and not drained:
+            why = " (async scheduling, a step scheduled ahead)" if ahead else ""
+            return (f"{in_flight} microbatch(es) in flight, the pipeline holds {depth}{why}, "
+                    f"and the scheduler was not asked for more")
+        return None
 
     def _check_work_conserving(self, so: SchedulerOutput, starts: dict[str, int], in_flight) -> str | None:
         """Running requests come first and the budget goes to them until it runs out: a held

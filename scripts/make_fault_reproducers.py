@@ -60,6 +60,8 @@ SEEDS = {
                                                              max_num_batched_tokens=8),
                                           Workload((R(4, 4), R(4, 4, tok=9), R(3, 4, tok=17)))),
     # Budget 3: the first decode takes 1 token, the second (its prompt repeats: drafts) the rest.
+    # Every step schedules ahead (the default Schedule): the depth check names the first one.
+    "async_queue_depth_ignored": Case(FUZZ_MODEL.replace(async_scheduling=True), Workload((R(1, 2),))),
     "sched_drafts_over_budget": Case(FUZZ_MODEL.replace(speculative_method="ngram", num_speculative_tokens=2,
                                                         max_num_batched_tokens=3),
                                      Workload((RequestSpec((5,), 12, 0), RequestSpec((1, 2, 1, 2, 1, 2), 12, 0)))),

@@ -1,7 +1,8 @@
 """The scheduler's limits checked on every microbatch (engine/sched_invariants.py): the clean
 engine keeps them at their edges, each broken limit is named, and the planted
-docs/bug_classes.md#sched_max_num_seqs_off_by_one and #sched_drafts_over_budget are caught by
-this check alone: with it off, their runs equal the clean ones bit for bit."""
+docs/bug_classes.md#sched_max_num_seqs_off_by_one, #sched_drafts_over_budget and
+#async_queue_depth_ignored are caught by this check alone: with it off, their runs equal the
+clean ones bit for bit."""
 from __future__ import annotations
 
 import re
@@ -293,3 +294,53 @@ def test_an_engine_built_with_more_seats_serves_a_smaller_max_num_seqs(engine):
             big.reset(scheduler_config=EDGE.replace(max_num_seqs=16))
     finally:
         big.shutdown()
+
+
+SHALLOW = ("async_queue_depth_ignored",)
+
+
+def _run_async(cfg, faults: tuple[str, ...] = ()):
+    """Three requests arriving together, each decoding 6 tokens, every step scheduled ahead."""
+    e = LLMEngine(cfg)
+    try:
+        e.reset(faults=faults)
+        for i, n in enumerate((1, 3, 2)):
+            e.add_request(f"r{i}", list(tokens_from_seed(i, n, cfg.vocab_size)), 6)
+        while e.has_unfinished_requests():
+            e.step()
+        return e.trace
+    finally:
+        e.shutdown()
+
+
+def test_async_queue_depth_ignored_is_caught_and_otherwise_bitwise_invisible(monkeypatch):
+    cfg = FUZZ_MODEL.replace(async_scheduling=True)
+    with pytest.raises(EngineInvariantError, match=r"pipeline depth: 1 microbatch\(es\) in flight, the pipeline "
+                                                   r"holds 2 \(async scheduling"):
+        _run_async(cfg, SHALLOW)
+    clean = _run_async(cfg)
+    monkeypatch.setattr(ScheduleLimits, "check_depth", lambda *a: None)
+    faulty = _run_async(cfg, SHALLOW)
+    assert clean.num_async_steps > 0 and faulty.num_async_steps == 0  # the fault acted: no overlap
+    assert clean.max_in_flight == 2 and faulty.max_in_flight == 1
+    assert _bitwise_equal(clean, faulty)
+
+
+def test_a_queue_capped_below_a_deeper_pipeline_is_named(monkeypatch):
+    """At pp4, a step scheduled ahead keeps 4 microbatches in flight; a queue capped at two
+    (`min(pp, 2)` for `max(pp, 2)`, a mutant that survived every output check) is named. The
+    clean engine fills its queue at every step."""
+    from engine.llm_engine import LLMEngine as Engine
+
+    cfg = FUZZ_MODEL.replace(layout="tp1pp4", async_scheduling=True, max_num_batched_tokens=3)
+    assert _run_async(cfg).max_in_flight == 4
+    monkeypatch.setattr(Engine, "_queue_depth", lambda self, ahead: min(self.cfg.pp, 2) if ahead else self.cfg.pp)
+    with pytest.raises(EngineInvariantError, match=r"pipeline depth: 2 microbatch\(es\) in flight, the pipeline holds 4"):
+        _run_async(cfg)
+
+
+def test_a_drained_scheduler_excuses_a_short_queue():
+    limits = ScheduleLimits(FUZZ_MODEL.replace(layout="tp1pp4"))
+    assert limits.check_depth(1, ahead=False, drained=True) is None
+    assert limits.check_depth(4, ahead=True, drained=False) is None
+    assert "the pipeline holds 4" in limits.check_depth(3, ahead=False, drained=False)

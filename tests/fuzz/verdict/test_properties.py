@@ -213,6 +213,11 @@ FAULT_CASES = [
              max_num_seqs=2, max_num_batched_tokens=8), EngineViolation),
     # Budget 3: r0's decode takes 1 token, r1's decode (2 n-gram drafts of its repeating
     # prompt) gets the 2 left, its drafts cut to 2, not 1: 4 tokens scheduled.
+    # One request at pp1 with async scheduling: the queue must hold the step scheduled ahead.
+    ("async_queue_depth_ignored", "async_queue_depth_ignored",
+     Case(FUZZ_MODEL.replace(async_scheduling=True), Workload((RequestSpec((5,), 2),)),
+          faults=("async_queue_depth_ignored",)),
+     EngineViolation),
     ("sched_drafts_over_budget", "sched_drafts_over_budget",
      Case(FUZZ_MODEL.replace(speculative_method="ngram", num_speculative_tokens=2, max_num_batched_tokens=3),
           Workload((RequestSpec((5,), 12), RequestSpec((1, 2, 1, 2, 1, 2), 12))), faults=("sched_drafts_over_budget",)),
