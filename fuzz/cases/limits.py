@@ -161,6 +161,29 @@ def tiny_budget(cfg: EngineConfig, wl: Workload, tiny: int | None) -> EngineConf
     if tiny is None or tokens > TINY_BUDGET_MAX_TOKENS or cfg.pp > TINY_BUDGET_MAX_PP:
         return cfg
     return cfg.replace(max_num_batched_tokens=tiny)
+
+
+# Whether the token budget is put on a drafting decode's edge (`draft_edge`); False shrinks first.
+DRAFT_EDGE = (False, True)
+# A budget of a few tokens runs a workload in many steps: only for workloads of at most this
+# many tokens (prompts and outputs), so an example stays within ~2 s on CPU.
+DRAFT_EDGE_MAX_TOKENS = 256
+
+
+def draft_edge(cfg: EngineConfig, wl: Workload, kept: int) -> EngineConfig:
+    """`cfg` with a token budget of `kept` (2..k) where speculation drafts k >= 2 tokens and the
+    workload is small enough: a decode that comes first in its microbatch with `kept` or more
+    drafts is left room for kept - 1 of them, so its drafts are cut (the class of
+    docs/bug_classes.md#sched_drafts_over_budget). EAGLE drafts k at every decode, and a
+    self-drafting n-gram request drafts at most of its decodes, so the cut is met at once; a
+    budget that needs several full decodes at once to run out was all but never met."""
+    tokens = sum((len(r.prompt_token_ids) + r.max_tokens) * r.params.n for r in wl.requests)
+    k = cfg.num_speculative_tokens if cfg.speculative_method != "none" else 0
+    if not 2 <= kept <= k or kept >= cfg.max_num_batched_tokens or tokens > DRAFT_EDGE_MAX_TOKENS:
+        return cfg
+    return cfg.replace(max_num_batched_tokens=kept)
+
+
 # How k is chosen: as drawn above (shrinks first), the ends of the engine's range, any k,
 # and k on the token budget (budget = 1 + k: a decode and all its drafts fill the step
 # exactly; budget = k: the drafts are cut by one).

@@ -20,9 +20,9 @@ from engine.sample.sampling_params import SamplingParams
 from engine.schedule import Schedule
 from fuzz.cases import drafting
 from fuzz.cases.case import Case, RequestSpec, Workload
-from fuzz.cases.limits import (AT_END, AT_END_MAX_LEN, FULL_BATCH, KV_POOL, MAX_SPEC_TOKENS, SPEC_K, TILE_ROWS, TINY_BUDGETS,
-                          full_batch, kv_pool, limits_reached, mid_block_plan, mid_block_prefix_class,
-                          spec_tokens, tiny_budget)
+from fuzz.cases.limits import (AT_END, AT_END_MAX_LEN, DRAFT_EDGE, FULL_BATCH, KV_POOL, MAX_SPEC_TOKENS, SPEC_K, TILE_ROWS, TINY_BUDGETS,
+                          draft_edge, full_batch, kv_pool, limits_reached, mid_block_plan,
+                          mid_block_prefix_class, spec_tokens, tiny_budget)
 
 # 8 layers (pp8, uneven pp3), 8 query heads and 2 kv heads (tp8 replicates kv heads).
 FUZZ_MODEL = EngineConfig(
@@ -387,7 +387,12 @@ def cases(draw, layouts=DEFAULT_LAYOUTS, modes=("eager",), faults: tuple[str, ..
     cfg = draw(engine_configs(layouts, modes, base))
     wl = draw(aborts(cfg, draw(workloads(cfg, max_requests, sampling=True))))
     cfg = kv_pool(tiny_budget(cfg, wl, draw(st.sampled_from(TINY_BUDGETS))), wl, draw(st.sampled_from(KV_POOL)))
-    case = Case(cfg, wl, draw(schedules()), tuple(faults), poison=draw(st.sampled_from(tuple(poisons))))
+    schedule, poison = draw(schedules()), draw(st.sampled_from(tuple(poisons)))
+    # The budget on a drafting decode's edge, drawn last so the draws above go as they did.
+    k = cfg.num_speculative_tokens if cfg.speculative_method != "none" else 0
+    if k >= 2 and draw(st.sampled_from(DRAFT_EDGE)):
+        cfg = draft_edge(cfg, wl, draw(st.integers(2, k)))
+    case = Case(cfg, wl, schedule, tuple(faults), poison=poison)
     for name in limits_reached(cfg, wl.requests):
         event(f"limit: {name}")
     event(f"layout={case.layout}")
