@@ -13,7 +13,11 @@
 # - GPU (the first one): `pytest -m gpu`; a bf16 selftest per kernel there is, each split over
 #   $PARTS processes, $GPU_BPF s a fault (default $BPF); with TCB=S, a transformers-cb campaign on
 #   CUDA of S seconds (its plan: bf16, CUDA graphs on and off, async batching); with a second
-#   GPU, a bf16 torch_flash campaign there for what the wall leaves.
+#   GPU, a bf16 torch_flash campaign there for what the wall leaves. With GPU_CAMPAIGN=S, a bf16
+#   torch_flash campaign of S seconds on the first GPU; with GPU_DETERMINISM=S, a bf16 campaign of
+#   S seconds on the last kernel with --oracle determinism (every Case re-run under another
+#   Schedule and compared bit for bit: schedule invariance measured on CUDA). allreduce_arrival_order,
+#   which only that oracle can see, gets a GPU selftest of its own with --oracle determinism.
 # Everything is packed into $OUT/device_verify.tgz.
 set -uo pipefail
 FINAL="${1:?output directory}"
@@ -42,7 +46,10 @@ selftest() {  # selftest NAME BPF ARGS...: the faults dealt over $PARTS processe
     shift 2
     for ((k = 0; k < PARTS; k++)); do
         faults=()
-        for ((i = k; i < ${#FAULTS[@]}; i += PARTS)); do faults+=(--fault "${FAULTS[i]}"); done
+        for ((i = k; i < ${#FAULTS[@]}; i += PARTS)); do
+            [[ $name == *h200* && ${FAULTS[i]} == allreduce_arrival_order ]] && continue  # its own, below
+            faults+=(--fault "${FAULTS[i]}")
+        done
         (timeout -k 20 -s INT "$(left)" python3 -m fuzz.cli selftest --json --budget-per-fault "$bpf" \
             --out "/tmp/st-$name-$k" "$@" "${faults[@]}" >"$R/$name.$k.json" 2>"$R/$name.$k.err") &
     done
@@ -65,7 +72,24 @@ if (( GPUS > 0 )); then
     (timeout 240 python3 -m pytest -q -m gpu -rs tests -p no:cacheprovider >"$R/pytest_gpu.txt" 2>&1) &
     for kernel in $KERNELS; do
         selftest "selftest_h200_bf16_$kernel" "$GPU_BPF" --device cuda --dtype bfloat16 --attention-backend "$kernel"
+        (timeout -k 20 -s INT "$(left)" python3 -m fuzz.cli selftest --json --budget-per-fault "$GPU_BPF" \
+            --out "/tmp/st-det-$kernel" --device cuda --dtype bfloat16 --attention-backend "$kernel" \
+            --oracle determinism --fault allreduce_arrival_order \
+            >"$R/selftest_h200_bf16_$kernel.determinism.json" 2>"$R/selftest_h200_bf16_$kernel.determinism.err") &
     done
+    if (( ${GPU_CAMPAIGN:-0} > 0 )); then
+        (timeout -k 10 -s INT $(( GPU_CAMPAIGN + 120 )) python3 -m fuzz.cli run --device cuda --dtype bfloat16 \
+            --attention-backend torch_flash --budget "$GPU_CAMPAIGN" --shrink-budget 60 --seed 0 --out /tmp/run-gpu1 \
+            --json >"$R/campaign_h200_bf16_torch_flash_${GPU_CAMPAIGN}s.json" 2>"$R/campaign_h200_bf16_torch_flash.err") &
+    fi
+    if (( ${GPU_DETERMINISM:-0} > 0 )); then
+        last=${KERNELS##* }
+        (timeout -k 10 -s INT $(( GPU_DETERMINISM + 120 )) python3 -m fuzz.cli run --device cuda --dtype bfloat16 \
+            --attention-backend "$last" --oracle determinism --budget "$GPU_DETERMINISM" --shrink-budget 60 --seed 1 \
+            --out /tmp/run-gpu-det --json >"$R/campaign_h200_bf16_${last}_determinism_${GPU_DETERMINISM}s.json" \
+            2>"$R/campaign_h200_bf16_${last}_determinism.err"
+         tar czf "$R/determinism_reproducers.tgz" -C /tmp run-gpu-det 2>/dev/null) &
+    fi
     if (( TCB > 0 )); then
         (timeout -k 10 -s INT $(( TCB + 120 )) python3 -m fuzz.cli run --target transformers-cb --device cuda \
             --budget "$TCB" --shrink-budget 60 --seed 1 --out /tmp/run-tcb --json \
