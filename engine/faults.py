@@ -215,8 +215,9 @@ ASYNC_PLACEHOLDER_NOT_REPLACED = register(
     needs="async_scheduling; a batch that reorder_batch reorders among requests that sample, then a decode ahead")
 ALLREDUCE_ARRIVAL_ORDER = register(
     "allreduce_arrival_order", where="engine/parallel_state.py: GroupCoordinator._sum_partials",
-    doc="The TP all-reduce adds each rank's partial into a float32 output as the partial "
-        "arrives, as an atomicAdd reduction does, so the summation order is the order ranks reach "
+    doc="The TP all-reduce adds each rank's partial into an output of the activations' dtype "
+        "(float32, or bfloat16 in a bfloat16 run) as the partial arrives, as an atomicAdd "
+        "reduction does, so the summation order is the order ranks reach "
         "the collective: a run's bits depend on timing, not on the Case (the class of GPU "
         "reductions built on atomics -- split-K GEMMs with atomic adds, scatter_add/index_add_ "
         "on CUDA -- whose results change run to run). Each result is within an ulp or two of "

@@ -40,6 +40,7 @@ class GPUModelRunner:
                  faults: FaultSet, copier: AsyncCopier, record_fa: bool = False) -> None:
         self.cfg, self.g, self.copier = cfg, groups, copier
         dev, dtype = cfg.device, cfg.torch_dtype()
+        groups.tp.out_dtype = dtype  # what an all-reduce's result is rounded to (the activations')
         self.model = m = LlamaForCausalLM(cfg, state_dict, groups).to(dev)
         kv_shape = (cfg.num_gpu_blocks, cfg.block_size, m.layers[m.start].num_kv_heads, cfg.head_dim)
         self.kv_caches = {i: (torch.zeros(kv_shape, dtype=dtype, device=dev),

@@ -34,6 +34,7 @@ class GroupCoordinator(abc.ABC):
         self.world_size = len(self.ranks)
         self.name = name
         self.faults = FaultSet()  # the runner's, set with each Case's (GPUModelRunner.faults)
+        self.out_dtype: torch.dtype | None = None  # the activations' dtype (the runner's)
         from engine.custom_ops import register_group
 
         self.op_key = register_group(self)  # how graph-capturable custom ops find this group
@@ -69,11 +70,14 @@ class GroupCoordinator(abc.ABC):
     def _sum_partials(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """The partials summed in group rank order: the order is the data's, never the
         timing's, so every run of a Case gives the same bits."""
-        if self.faults.on(ALLREDUCE_ARRIVAL_ORDER):  # atomicAdd into a float32 output, as partials land
-            order = self._arrival_order()
-            acc = parts[order[0]].to(torch.float32, copy=True)  # the parts are shared by the ranks
+        if self.faults.on(ALLREDUCE_ARRIVAL_ORDER):  # atomicAdd into the output, as partials land
+            # The output is in the activations' dtype, as an atomicAdd into a float or bfloat16
+            # tensor rounds every add to it: summed wider (a float32 accumulator of bfloat16
+            # activations' partials) the rounding at the end would hide the order.
+            order, acc_dtype = self._arrival_order(), self.out_dtype or torch.float32
+            acc = parts[order[0]].to(acc_dtype, copy=True)  # the parts are shared by the ranks
             for i in order[1:]:
-                acc += parts[i].to(torch.float32)
+                acc += parts[i].to(acc_dtype)
             return acc.to(parts[0].dtype)
         out = parts[0].clone()
         for p in parts[1:]:
