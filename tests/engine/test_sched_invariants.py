@@ -86,18 +86,23 @@ OVER_BUDGET = ("sched_drafts_over_budget",)
 NGRAM = FUZZ_MODEL.replace(speculative_method="ngram", num_speculative_tokens=2, max_num_batched_tokens=3)
 
 
-def _run_ngram(faults: tuple[str, ...]):
-    """Budget 3: r0's decode takes 1 token, r1's drafting decode the 2 left."""
-    e = LLMEngine(NGRAM)
+def _run_fresh(cfg, prompts: list[list[int]], max_tokens: int, faults: tuple[str, ...] = ()):
+    """The prompts, arriving together, run to the end on an engine of their own."""
+    e = LLMEngine(cfg)
     try:
         e.reset(faults=faults)
-        e.add_request("r0", [5], 12)
-        e.add_request("r1", [1, 2, 1, 2, 1, 2], 12)
+        for i, prompt in enumerate(prompts):
+            e.add_request(f"r{i}", prompt, max_tokens)
         while e.has_unfinished_requests():
             e.step()
         return e.trace
     finally:
         e.shutdown()
+
+
+def _run_ngram(faults: tuple[str, ...]):
+    """Budget 3: r0's decode takes 1 token, r1's drafting decode the 2 left."""
+    return _run_fresh(NGRAM, [[5], [1, 2, 1, 2, 1, 2]], 12, faults)
 
 
 def test_drafts_over_budget_are_caught_and_otherwise_bitwise_invisible(monkeypatch):
@@ -301,16 +306,7 @@ SHALLOW = ("async_queue_depth_ignored",)
 
 def _run_async(cfg, faults: tuple[str, ...] = ()):
     """Three requests arriving together, each decoding 6 tokens, every step scheduled ahead."""
-    e = LLMEngine(cfg)
-    try:
-        e.reset(faults=faults)
-        for i, n in enumerate((1, 3, 2)):
-            e.add_request(f"r{i}", list(tokens_from_seed(i, n, cfg.vocab_size)), 6)
-        while e.has_unfinished_requests():
-            e.step()
-        return e.trace
-    finally:
-        e.shutdown()
+    return _run_fresh(cfg, [list(tokens_from_seed(i, n, cfg.vocab_size)) for i, n in enumerate((1, 3, 2))], 6, faults)
 
 
 def test_async_queue_depth_ignored_is_caught_and_otherwise_bitwise_invisible(monkeypatch):
