@@ -249,13 +249,16 @@ def sampling_params(draw, cfg: EngineConfig, r: RequestSpec) -> SamplingParams |
     n-gram drafting's multi-token rows make reorder_batch swap penalised rows), a logit bias,
     stops (tokens and sequences of the prompt, so they are met; min_tokens), top logprobs,
     prompt logprobs. Each group shrinks off, each value toward the first of its list."""
-    if not draw(st.sampled_from((False, False, True))):
+    # A config without speculation, the only one that samples at random, draws params for one
+    # request in two.
+    if not draw(st.sampled_from((False, True) if cfg.speculative_method == "none" else (False, False, True))):
         return None
     V, kw = cfg.vocab_size, {}
-    if cfg.speculative_method == "none" and draw(st.booleans()):
+    if cfg.speculative_method == "none" and draw(st.sampled_from((False, True, True))):
         kw.update(temperature=draw(st.sampled_from((1.0, 0.5, 2.0))), top_k=draw(st.sampled_from((0, 5, 40))),
                   top_p=draw(st.sampled_from((1.0, 0.9, 0.5))), min_p=draw(st.sampled_from((0.0, 0.05))),
-                  seed=draw(st.one_of(st.none(), st.integers(0, 2 ** 16))), n=draw(st.sampled_from((1, 1, 2, 3))))
+                  seed=draw(st.integers(0, 2 ** 16)) if draw(st.sampled_from((False, True, True))) else None,
+                  n=draw(st.sampled_from((1, 1, 2, 3))))
     if draw(st.booleans()):
         kw.update(frequency_penalty=draw(st.sampled_from((0.5, 1.5, -0.5, 0.0))),
                   presence_penalty=draw(st.sampled_from((0.0, 0.4, -1.0))),
@@ -290,7 +293,7 @@ def sampled_requests(draw, cfg: EngineConfig, r: RequestSpec) -> RequestSpec:
     if params is None:
         return r
     budget, room = cfg.max_num_batched_tokens, cfg.max_model_len - r.max_tokens
-    if not params.is_greedy and len(r.prompt_token_ids) <= budget < room and draw(st.booleans()):
+    if not params.is_greedy and len(r.prompt_token_ids) <= budget < room and draw(st.sampled_from((False, True, True))):
         extra = min(room, budget + draw(st.integers(1, 8))) - len(r.prompt_token_ids)
         r = replace(r, prompt_token_ids=r.prompt_token_ids + tokens_from_seed(len(r.prompt_token_ids), extra,
                                                                               cfg.vocab_size))
