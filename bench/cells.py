@@ -98,7 +98,7 @@ def _pytest_speedup() -> dict:
     out = {}
     for n in (1, 2):
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", str(n), "--dist", "worksteal",
-               os.path.join(REPO, "tests", "fuzz", "test_properties.py")]
+               os.path.join(REPO, "tests", "fuzz", "verdict", "test_properties.py")]
         t0 = time.perf_counter()
         r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=dict(os.environ, LLMFUZZ_PROFILE="ci"))
         out[f"n{n}_seconds"] = round(time.perf_counter() - t0, 2)
