@@ -80,6 +80,11 @@ class Workload:
     def num_prompt_tokens(self) -> int:
         return sum(len(r.prompt_token_ids) for r in self.requests)
 
+    @property
+    def num_tokens(self) -> int:
+        """Prompt and output tokens of every sequence the engine runs (n > 1 counts n times)."""
+        return sum((len(r.prompt_token_ids) + r.max_tokens) * r.params.n for r in self.requests)
+
     def engine_requests(self) -> list[tuple[str, int, RequestSpec, SamplingParams | None]]:
         """What the engine runs, in workload order: (request id, workload index, spec, params
         to pass to add_request). Request i is "r{i}"; one with sampling n > 1 is its n children

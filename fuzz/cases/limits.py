@@ -157,8 +157,7 @@ TINY_BUDGET_MAX_TOKENS, TINY_BUDGET_MAX_PP = 40, 2
 
 def tiny_budget(cfg: EngineConfig, wl: Workload, tiny: int | None) -> EngineConfig:
     """`cfg` with the token budget `tiny` (None: as is) where the workload is small enough."""
-    tokens = sum((len(r.prompt_token_ids) + r.max_tokens) * r.params.n for r in wl.requests)
-    if tiny is None or tokens > TINY_BUDGET_MAX_TOKENS or cfg.pp > TINY_BUDGET_MAX_PP:
+    if tiny is None or wl.num_tokens > TINY_BUDGET_MAX_TOKENS or cfg.pp > TINY_BUDGET_MAX_PP:
         return cfg
     return cfg.replace(max_num_batched_tokens=tiny)
 
@@ -177,9 +176,8 @@ def draft_edge(cfg: EngineConfig, wl: Workload, kept: int) -> EngineConfig:
     docs/bug_classes.md#sched_drafts_over_budget). EAGLE drafts k at every decode, and a
     self-drafting n-gram request drafts at most of its decodes, so the cut is met at once; a
     budget that needs several full decodes at once to run out was all but never met."""
-    tokens = sum((len(r.prompt_token_ids) + r.max_tokens) * r.params.n for r in wl.requests)
     k = cfg.num_speculative_tokens if cfg.speculative_method != "none" else 0
-    if not 2 <= kept <= k or kept >= cfg.max_num_batched_tokens or tokens > DRAFT_EDGE_MAX_TOKENS:
+    if not 2 <= kept <= k or kept >= cfg.max_num_batched_tokens or wl.num_tokens > DRAFT_EDGE_MAX_TOKENS:
         return cfg
     return cfg.replace(max_num_batched_tokens=kept)
 

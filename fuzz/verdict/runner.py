@@ -19,7 +19,7 @@ from fuzz.verdict.properties import CrashViolation, EngineViolation, FAViolation
 def max_steps_for(w: Workload) -> int:
     """A generous bound on driver steps; a run past it is a liveness failure (a request with
     sampling n > 1 counts n times: its children are scheduled as requests of their own)."""
-    return 64 + 4 * sum((len(r.prompt_token_ids) + r.max_tokens) * r.params.n for r in w.requests) \
+    return 64 + 4 * w.num_tokens \
         + max((r.arrival_step for r in w.requests), default=0)
 
 
