@@ -243,24 +243,26 @@ def at_end(wl: Workload, cfg: EngineConfig, end: str, which: int) -> Workload:
 
 @st.composite
 def sampling_params(draw, cfg: EngineConfig, r: RequestSpec) -> SamplingParams | None:
-    """None (plain greedy, as before sampling existed) for two requests in three, or one in two
-    where the config does not speculate (measured over 2000 drawn Cases before that exception:
-    29 % of requests got params); else some of: random sampling (temperature, top-k/p, min-p, seed, n > 1; only
-    without speculative decoding, whose verification is greedy), penalties (greedy too, so
-    n-gram drafting's multi-token rows make reorder_batch swap penalised rows), a logit bias,
-    stops (tokens and sequences of the prompt, so they are met; min_tokens), top logprobs,
-    prompt logprobs. Each group shrinks off, each value toward the first of its list."""
-    # A config without speculation, the only one that samples at random, draws params for one
-    # request in two.
-    if not draw(st.sampled_from((False, True) if cfg.speculative_method == "none" else (False, False, True))):
+    """None (plain greedy, as before sampling existed) for one request in two; else some of:
+    random sampling (temperature, top-k/p, min-p, seed, n > 1; only without speculative
+    decoding, whose verification is greedy), penalties (greedy too, so n-gram drafting's
+    multi-token rows make reorder_batch swap penalised rows), a logit bias, stops (tokens and
+    sequences of the prompt, so they are met; min_tokens), top logprobs, prompt logprobs. Each
+    group shrinks off, each value toward the first of its list."""
+    # One request in two: the Cases a per-row sampling bug needs take two requests with params
+    # batched together, with random sampling and chunked prefill (no speculation) or with
+    # penalties behind a drafting row (speculation); at one in three they were a few percent.
+    if not draw(st.sampled_from((False, True))):
         return None
     V, kw = cfg.vocab_size, {}
-    if cfg.speculative_method == "none" and draw(st.sampled_from((False, True, True))):
+    random_sampling = cfg.speculative_method == "none"
+    if random_sampling and draw(st.sampled_from((False, True, True))):
         kw.update(temperature=draw(st.sampled_from((1.0, 0.5, 2.0))), top_k=draw(st.sampled_from((0, 5, 40))),
                   top_p=draw(st.sampled_from((1.0, 0.9, 0.5))), min_p=draw(st.sampled_from((0.0, 0.05))),
                   seed=draw(st.integers(0, 2 ** 16)) if draw(st.sampled_from((False, True, True))) else None,
                   n=draw(st.sampled_from((1, 1, 2, 3))))
-    if draw(st.booleans()):
+    # Penalties in two requests of three where drafting rows are what reorders the batch.
+    if draw(st.sampled_from((False, True) if random_sampling else (False, True, True))):
         kw.update(frequency_penalty=draw(st.sampled_from((0.5, 1.5, -0.5, 0.0))),
                   presence_penalty=draw(st.sampled_from((0.0, 0.4, -1.0))),
                   repetition_penalty=draw(st.sampled_from((1.0, 1.3, 0.8))))

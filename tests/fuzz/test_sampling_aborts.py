@@ -138,7 +138,9 @@ def test_strategies_draw_sampling_and_aborts_at_their_rates() -> None:
     drawn = _draw(400)
     reqs = [r for c in drawn for r in c.workload.requests]
     sampled = [r for r in reqs if r.sampling is not None]
-    assert 0.15 <= len(sampled) / len(reqs) <= 0.4, len(sampled) / len(reqs)
+    # Params for one request in two as drawn (fuzz.cases.strategies.sampling_params); measured
+    # 0.41 over these 400 Cases: Hypothesis leans to the first choice of a list, None.
+    assert 0.3 <= len(sampled) / len(reqs) <= 0.55, len(sampled) / len(reqs)
     aborted = [c for c in drawn if any(r.abort_step is not None for r in c.workload.requests)]
     assert 0.08 <= len(aborted) / len(drawn) <= 0.35, len(aborted) / len(drawn)
     # Both where a microbatch can be in flight at the abort (pp >= 2) and where none can. The
