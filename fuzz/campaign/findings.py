@@ -75,8 +75,9 @@ def run_text(summary, shrink_report: dict | None) -> str:
                        + (", interrupted" if shrink_report.get("interrupted") else ""))
     for f in summary.failures:
         by = f" (against {f.oracle})" if f.oracle else ""
-        out.append(f"\nFAILED {f.property}{by}: {f.message}\n  case: {f.case_desc}\n"
-                   f"  Reproduce with: llmfuzz replay {f.path}")
+        how = (f"Reproduce with: llmfuzz replay {f.path}" if f.path else
+               "no reproducer written (the output directory refused it): the failing Case was printed as JSON above")
+        out.append(f"\nFAILED {f.property}{by}: {f.message}\n  case: {f.case_desc}\n  {how}")
         if f.others:  # `llmfuzz merge`: the same failure in other shards, larger
             out.append(f"  also found as: {', '.join(f.others)}")
     if summary.jobs > 1:

@@ -317,7 +317,8 @@ class Campaign(SequentialVisits):
         if self.progress:
             by = f" (against {v.oracle})" if v.oracle else ""
             sys.stderr.write(f"\nFOUND {v.property}{by} after {found_s:.1f}s: {v.message}\n  {case.describe()}\n"
-                             f"  -> {path}{'' if r.minimal else ' (not minimal yet)'}\n")
+                             f"  -> {path or 'not written (the Case is printed as JSON above)'}"
+                             f"{'' if r.minimal else ' (not minimal yet)'}\n")
         return r.stopped
 
     def _skip(self, v: Violation, verdict: str) -> None:

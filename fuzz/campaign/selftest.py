@@ -47,12 +47,13 @@ def run_selftest(faults: list[str] | None = None, budget_per_fault: float = 60.0
                  seed: int = 0, progress: bool = True, base=FUZZ_MODEL, isolate: str = "auto",
                  shrink_grace_s: float | None = None, everywhere: bool = False,
                  oracles: frozenset[str] = frozenset(), poison: str | None = None,
-                 layouts: tuple[str, ...] = CAMPAIGN_ORDER) -> list[FaultResult]:
+                 layouts: tuple[str, ...] = CAMPAIGN_ORDER, shrink_s: float | None = None) -> list[FaultResult]:
     """`poison`: what every reset leaves in memory ("nan" or "stale", engine/poison.py;
     None: each Case draws one). With `everywhere`, each fault is on in every run the harness makes (reference
     included), as a real bug in shared code would be: only the oracles that do not share
     the faulty code (solo, transformers) and the run-alone checks can then see it.
-    `shrink_grace_s`: each fault's shrink phase (fuzz.campaign.loop; default max(60 s, budget/4)).
+    `shrink_grace_s`: each fault's shrink phase (fuzz.campaign.loop; default max(60 s, budget/4));
+    `shrink_s`: its shrink while finding (default max(SHRINK_WHILE_FINDING_S, budget/4)).
     `layouts`: those the campaigns visit, round robin (default: all, in the campaign's order).
 
     A stop (SIGINT/SIGTERM) at any point, inside a fault's campaign or between two, ends the
@@ -69,7 +70,7 @@ def run_selftest(faults: list[str] | None = None, budget_per_fault: float = 60.0
             current, t0 = name, time.monotonic()
             camp = Campaign(layouts=layouts, modes=("eager", "graph"), faults=(name,), seed=seed,
                             out_dir=out_dir, budget_s=budget_per_fault, chunk=3, stop_on_failure=True,
-                            shrink_s=max(SHRINK_WHILE_FINDING_S, budget_per_fault / 4),
+                            shrink_s=max(SHRINK_WHILE_FINDING_S, budget_per_fault / 4) if shrink_s is None else shrink_s,
                             progress=progress, base=base, harness=harness, shrink_budget_s=shrink_grace_s,
                             fault_scope="everywhere" if everywhere else "test", keep_stop=True, poison=poison)
             s = camp.run()

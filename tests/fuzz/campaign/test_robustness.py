@@ -201,16 +201,18 @@ def test_bad_reproducer_files_exit_2_without_executing(tmp_path):
 def test_unwritable_output_prints_case_and_exits_3(tmp_path):
     """/proc refuses new files even for root: the failure must reach stderr whole."""
     env = dict(os.environ, PYTHONPATH=REPO)
+    # A fault every Case shows (bitwise, the first example): the write fails within seconds.
     r = subprocess.run([sys.executable, "-m", "fuzz.cli", "run", "--out", "/proc/llmfuzz-unwritable",
-                        "--budget", "60", "--fault", "pp_stale_new_token_ids", "--layouts", "tp1pp2",
-                        "--modes", "eager", "--quiet"], capture_output=True, text=True, env=env, cwd=tmp_path,
-                       timeout=400)
+                        "--budget", "15", "--shrink-budget", "2", "--fault", "split_k_by_batch_size",
+                        "--layouts", "tp1pp1", "--modes", "eager", "--quiet"], capture_output=True, text=True,
+                       env=env, cwd=tmp_path, timeout=400)
     assert r.returncode == 3, r.stderr[-2000:]
     assert "cannot write reproducer" in r.stderr
     line = r.stderr.split("the failing Case follows as JSON:\n", 1)[1].splitlines()[0]
     from fuzz.cases.case import Case
 
-    assert Case.from_json(line).faults == ("pp_stale_new_token_ids",)
+    assert Case.from_json(line).faults == ("split_k_by_batch_size",)
+    assert "replay None" not in r.stdout + r.stderr and "no reproducer written" in r.stdout
 
 
 # -- processes and memory, read from /proc ------------------------------------------------------
