@@ -155,6 +155,11 @@ class ScheduleLimits:
         preempted may be readmitted in the same microbatch); return each scheduled request's
         computed tokens before this step."""
         self.held -= so.finished_req_ids | so.preempted_req_ids
+        # A proposal is for a running request's next decode. Preempted, a request is readmitted
+        # as a new one, which verifies no drafts (as in vLLM): a prefix-cache hit up to its
+        # last token makes that readmission look like the decode the proposal was for.
+        for rid in so.preempted_req_ids:
+            self.proposed.pop(rid, None)
         starts: dict[str, int] = {}
         for nr in so.scheduled_new_reqs:  # (re)admitted: its whole block list, from scratch
             self.held.add(nr.req_id)

@@ -154,7 +154,7 @@ CFG = FUZZ_MODEL.replace(max_num_seqs=2, max_num_batched_tokens=8, max_model_len
                          speculative_method="ngram", num_speculative_tokens=2)
 
 
-def _out(mb: int, new=(), cached=(), spec=None, total=None, finished=()) -> SchedulerOutput:
+def _out(mb: int, new=(), cached=(), spec=None, total=None, finished=(), preempted=()) -> SchedulerOutput:
     """new: (id, tokens, computed, scheduled); cached: (id, new tokens, computed, scheduled)."""
     c = CachedRequestData()
     for rid, toks, start, _ in cached:
@@ -162,7 +162,7 @@ def _out(mb: int, new=(), cached=(), spec=None, total=None, finished=()) -> Sche
         c.num_computed_tokens.append(start)
     counts = {rid: n for rid, _, _, n in (*new, *cached)}
     return SchedulerOutput(mb, [NewRequestData(rid, list(t), [], s) for rid, t, s, _ in new], c, counts,
-                           sum(counts.values()) if total is None else total, set(finished), set(),
+                           sum(counts.values()) if total is None else total, set(finished), set(preempted),
                            spec or {})
 
 
@@ -171,6 +171,21 @@ def _limits(*reqs: tuple[str, int, int]) -> ScheduleLimits:
     for rid, prompt_len, max_tokens in reqs:
         lim.add_request(rid, prompt_len, max_tokens)
     return lim
+
+
+def test_a_readmission_after_preemption_owes_no_drafts():
+    """A request preempted after its proposal is readmitted as a new one, which verifies no
+    drafts (as in vLLM). A prefix-cache hit up to its last token makes the readmission look
+    like the decode the proposal was for: a clean bf16 campaign on the H200 reported it."""
+    lim = _limits(("a", 4, 10))
+    assert lim.check(_out(0, new=[("a", [1] * 4, 0, 4)])) is None
+    lim.propose("a", 5, [6])
+    assert lim.check(_out(1, preempted={"a"})) is None
+    assert lim.check(_out(2, new=[("a", [1] * 4 + [5], 4, 1)])) is None
+    lim = _limits(("a", 4, 10))  # the same decode without the preemption owes the draft
+    lim.check(_out(0, new=[("a", [1] * 4, 0, 4)]))
+    lim.propose("a", 5, [6])
+    assert "the proposer gave [6]" in lim.check(_out(1, cached=[("a", [5], 4, 1)]))
 
 
 def test_a_decode_with_drafts_in_room_passes():
