@@ -373,8 +373,9 @@ def test_memory_and_fds_stay_flat_over_a_campaign(tmp_path):
     them, nothing may grow but the bounded reference cache, by its logits alone.
 
     Measured (2 cores, 20-130 measured examples): no engine internals left, fds and threads
-    equal, 20-45 tensors per cached run; RSS over the repeated campaign +3..+7 MB (+17 MB once
-    in CI when the repeat drew other Cases, whose first use it then paid: now it draws the same).
+    equal, 20-45 tensors per cached run; RSS over the repeated campaign (it draws the same Cases)
+    -15..+34 MB of allocator noise (+3..+7 MB on the smaller Cases drawn before sampling and
+    sharing).
     The first one adds +21..+35 MB of first use that a short warm-up does not reach (torch ops
     and kernels met for the first time: sampling, prefix-cache hits), the more the fewer
     examples the warm-up ran on a loaded machine. Before the fixes this test found
@@ -413,9 +414,11 @@ def test_memory_and_fds_stay_flat_over_a_campaign(tmp_path):
     again = d["again"]
     assert not d["measured_again"]["failures"]
     assert again["engines"] == 0 and again["tensors"] <= bare["tensors"] + 16, (bare, again)
-    # 24 MB: +16.8 once in a full `pytest -n auto` run (23 measured examples; +2..+5 when
-    # rerun alone or three at once), still a fifth of what keeping every engine cost.
-    assert again["rss_mb"] - bare["rss_mb"] < 24, (bare, again, d["measured_again"]["examples"])
+    # 48 MB: the allocator's noise on a repeat of ~20 examples, measured -15..+34 MB (four runs
+    # alone, two at a time; +32 once in a full `pytest -n auto` run), so 24 failed now and
+    # then with nothing retained. What leaks is caught exactly above (engines, tensors, fds,
+    # threads); this bound catches what those do not count, at twice the noise.
+    assert again["rss_mb"] - bare["rss_mb"] < 48, (bare, again, d["measured_again"]["examples"])
     assert bare["rss_mb"] - warm["rss_mb"] < 64, (warm, bare, measured["examples"])
 
 
