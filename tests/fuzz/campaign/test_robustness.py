@@ -51,8 +51,9 @@ def _wait_for(proc, pattern: str, timeout: float) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_keeps_found_failure_and_prints_summary(tmp_path, sig):
-    proc = _start(["--budget", "300", "--fault", "pp_stale_new_token_ids", "--keep-going",
-                   "--layouts", "tp1pp2", "--modes", "eager"], tmp_path)
+    # A fault the simplest Case shows, found and minimal at the first example (~4 s).
+    proc = _start(["--budget", "300", "--fault", "pp_uneven_partition", "--keep-going",
+                   "--layouts", "tp1pp3", "--modes", "eager"], tmp_path)
     _wait_for(proc, "FOUND", 240)  # the failure is on disk from here on
     proc.send_signal(sig)
     t0 = time.monotonic()
@@ -65,7 +66,7 @@ def test_signal_keeps_found_failure_and_prints_summary(tmp_path, sig):
     assert proc.returncode == 1  # failures found still means 1
     assert "layout" in out and "total" in out and "interrupted" in out  # the summary so far
     files = list((tmp_path / "repro").rglob("*.json"))
-    assert files and all(load_reproducer(str(f)).case.faults == ("pp_stale_new_token_ids",) for f in files)
+    assert files and all(load_reproducer(str(f)).case.faults == ("pp_uneven_partition",) for f in files)
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the dropped interrupt, on purpose
@@ -201,17 +202,18 @@ def test_bad_reproducer_files_exit_2_without_executing(tmp_path):
 def test_unwritable_output_prints_case_and_exits_3(tmp_path):
     """/proc refuses new files even for root: the failure must reach stderr whole."""
     env = dict(os.environ, PYTHONPATH=REPO)
-    # A fault every Case shows (bitwise, the first example): the write fails within seconds.
+    # A fault the simplest Case shows (found and minimal at the first example): the write
+    # fails within seconds.
     r = subprocess.run([sys.executable, "-m", "fuzz.cli", "run", "--out", "/proc/llmfuzz-unwritable",
-                        "--budget", "15", "--shrink-budget", "2", "--fault", "split_k_by_batch_size",
-                        "--layouts", "tp1pp1", "--modes", "eager", "--quiet"], capture_output=True, text=True,
+                        "--budget", "15", "--shrink-budget", "2", "--fault", "pp_uneven_partition",
+                        "--layouts", "tp1pp3", "--modes", "eager", "--quiet"], capture_output=True, text=True,
                        env=env, cwd=tmp_path, timeout=400)
     assert r.returncode == 3, r.stderr[-2000:]
     assert "cannot write reproducer" in r.stderr
     line = r.stderr.split("the failing Case follows as JSON:\n", 1)[1].splitlines()[0]
     from fuzz.cases.case import Case
 
-    assert Case.from_json(line).faults == ("split_k_by_batch_size",)
+    assert Case.from_json(line).faults == ("pp_uneven_partition",)
     assert "replay None" not in r.stdout + r.stderr and "no reproducer written" in r.stdout
 
 

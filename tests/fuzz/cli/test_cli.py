@@ -105,8 +105,8 @@ def test_run_with_fault_exits_1_writes_reproducer_that_replays(capsys, tmp_path)
     """One campaign with a fault switched on (it stops at the first, shrunk, failure); its
     reproducer then replays through `llmfuzz replay`. One test, so the campaign runs once."""
     out_dir = tmp_path / "repro"
-    code, out, err = run_cli(capsys, "run", "--fault", "pp_stale_new_token_ids", "--layouts", "tp1pp2",
-                             "--budget", "20", "--out", str(out_dir))
+    code, out, err = run_cli(capsys, "run", "--fault", "pp_uneven_partition", "--layouts", "tp1pp3",
+                             "--budget", "10", "--out", str(out_dir))
     assert code == 1, out + err
     files = sorted(out_dir.rglob("*.json"))
     # One file per failure found (Hypothesis may report two distinct ones from the same chunk,
@@ -116,7 +116,7 @@ def test_run_with_fault_exits_1_writes_reproducer_that_replays(capsys, tmp_path)
     path = str(files[0])
     repro = load_reproducer(path)
     assert files[0].parent.name == repro.property
-    assert repro.case.faults == ("pp_stale_new_token_ids",) and repro.case.layout == "tp1pp2"
+    assert repro.case.faults == ("pp_uneven_partition",) and repro.case.layout == "tp1pp3"
     assert "FAILED" in out and f"llmfuzz replay {path}" in out
     assert not list(out_dir.rglob(".tmp-*")), "atomic write left a temp file"
 
