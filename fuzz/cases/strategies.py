@@ -255,14 +255,14 @@ def sampling_params(draw, cfg: EngineConfig, r: RequestSpec) -> SamplingParams |
     if not draw(st.sampled_from((False, True))):
         return None
     V, kw = cfg.vocab_size, {}
-    random_sampling = cfg.speculative_method == "none"
-    if random_sampling and draw(st.sampled_from((False, True, True))):
+    may_sample_at_random = cfg.speculative_method == "none"
+    if may_sample_at_random and draw(st.sampled_from((False, True, True))):
         kw.update(temperature=draw(st.sampled_from((1.0, 0.5, 2.0))), top_k=draw(st.sampled_from((0, 5, 40))),
                   top_p=draw(st.sampled_from((1.0, 0.9, 0.5))), min_p=draw(st.sampled_from((0.0, 0.05))),
                   seed=draw(st.integers(0, 2 ** 16)) if draw(st.sampled_from((False, True, True))) else None,
                   n=draw(st.sampled_from((1, 1, 2, 3))))
-    # Penalties in two requests of three where drafting rows are what reorders the batch.
-    if draw(st.sampled_from((False, True) if random_sampling else (False, True, True))):
+    # Penalties for two of three such requests where drafting rows are what reorders the batch.
+    if draw(st.sampled_from((False, True) if may_sample_at_random else (False, True, True))):
         kw.update(frequency_penalty=draw(st.sampled_from((0.5, 1.5, -0.5, 0.0))),
                   presence_penalty=draw(st.sampled_from((0.0, 0.4, -1.0))),
                   repetition_penalty=draw(st.sampled_from((1.0, 1.3, 0.8))))
