@@ -3,6 +3,10 @@
 Each seed Case below is a hand-made small Case where the fault is reachable; it is then
 minimized with `fuzz.campaign.shrink.minimize` against "still fails with the same property", and
 checked to pass with the fault off. Run: `python scripts/make_fault_reproducers.py`.
+
+The prefix-caching, abort and sampling faults have no seed here: their files are the minimal
+reproducers an fp32 `llmfuzz selftest` wrote, each checked to fail with the property it
+recorded and to pass with the fault off.
 """
 from __future__ import annotations
 
