@@ -91,6 +91,13 @@ def test_reproducer_file_layout(path: Path) -> None:
     assert re.fullmatch(r"[0-9a-f]{12}\.json", rel.parts[-1]), rel
 
 
+def test_every_registry_fault_has_its_minimal_reproducer() -> None:
+    """One file per fault, so every test run proves each bug class is still caught (a fault
+    added without one is named here)."""
+    missing = sorted(f for f in FAULTS if not (REPRO_DIR / "faults" / f"{f}.json").exists())
+    assert not missing, f"no reproducers/faults/<fault>.json for {missing}"
+
+
 def test_reproducer_directory_is_json_only() -> None:
     stray = [p.relative_to(REPRO_DIR) for p in REPRO_DIR.rglob("*")
              if p.is_file() and p.suffix != ".json" and p.name not in ("README.md", "replay.py")
