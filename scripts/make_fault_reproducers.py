@@ -56,7 +56,7 @@ SEEDS = {
     # first), then the first decodes ahead and reads the row the second sampled in.
     "async_placeholder_not_replaced": Case(FUZZ_MODEL.replace(async_scheduling=True),
                                            Workload((R(2, 2), R(1, 1, 0, 98)))),
-    # Caught by the determinism oracle's re-run under another rank order (every tp >= 3 Case).
+    # Caught by the determinism oracle's re-run under another rank order (every short tp >= 3 Case).
     "allreduce_arrival_order": Case(FUZZ_MODEL.replace(layout="tp4pp1"), Workload((R(1),))),
     "split_k_by_batch_size": Case(FUZZ_MODEL, Workload((R(1),))),
     # pp2 alternates r0+r1 and the extra r2 in two microbatches: outputs stay bit-identical.

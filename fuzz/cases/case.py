@@ -358,6 +358,13 @@ def _check_sampling(where: str, r: RequestSpec, cfg: EngineConfig) -> None:
                               f"none, not {cfg.speculative_method} (verification is greedy)")
 
 
+def steps_to_finish(r: RequestSpec, cfg: EngineConfig) -> int:
+    """About the driver steps from `r`'s arrival to its end when it runs alone: its prefill
+    chunks and decodes, each a microbatch that comes back pp steps later."""
+    chunks = -(-len(r.prompt_token_ids) // cfg.max_num_batched_tokens)
+    return cfg.pipeline_parallel_size * (chunks + r.max_tokens) + 1
+
+
 def reference_config(cfg: EngineConfig) -> EngineConfig:
     """The reference run's config: same model, cache and budget; tp1pp1, eager, in-process,
     plain decoding (never speculative: a speculative Case is compared with plain greedy

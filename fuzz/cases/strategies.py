@@ -19,7 +19,7 @@ from engine.poison import POISON_MODES
 from engine.sample.sampling_params import SamplingParams
 from engine.schedule import Schedule
 from fuzz.cases import drafting
-from fuzz.cases.case import Case, RequestSpec, Workload
+from fuzz.cases.case import Case, RequestSpec, Workload, steps_to_finish
 from fuzz.cases.limits import (AT_END, AT_END_MAX_LEN, DRAFT_EDGE, FULL_BATCH, KV_POOL, MAX_SPEC_TOKENS, SPEC_K, TILE_ROWS, TINY_BUDGETS,
                           draft_edge, full_batch, kv_pool, limits_reached, mid_block_plan,
                           mid_block_prefix_class, spec_tokens, tiny_budget)
@@ -109,13 +109,6 @@ def prefix_lengths(cfg: EngineConfig) -> st.SearchStrategy[int]:
     edges = [n for n in edges if 1 <= n <= cap]
     # The plain range starts at a block: a shorter prefix shares no KV.
     return st.one_of(*((st.sampled_from(edges),) if edges else ()), st.integers(min(bs, cap), cap))
-
-
-def steps_to_finish(r: RequestSpec, cfg: EngineConfig) -> int:
-    """About the driver steps from `r`'s arrival to its end when it runs alone: its prefill
-    chunks and decodes, each a microbatch that comes back pp steps later."""
-    chunks = -(-len(r.prompt_token_ids) // cfg.max_num_batched_tokens)
-    return cfg.pipeline_parallel_size * (chunks + r.max_tokens) + 1
 
 
 def cache_salts(draw, cfg: EngineConfig) -> st.SearchStrategy[str | None]:

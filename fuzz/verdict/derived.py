@@ -12,9 +12,14 @@ from dataclasses import replace
 from engine.config import EngineConfig
 from engine.sample.sampling_params import request_seed
 from engine.schedule import Schedule
-from fuzz.cases.case import Case, RequestSpec, Workload, reference_config
+from fuzz.cases.case import Case, RequestSpec, Workload, reference_config, steps_to_finish
 
 DETERMINISM_ONE_IN = 20  # Cases, chosen by hash, that run twice (CPU), besides those below
+# With three TP ranks or more, also every Case of at most this many driver steps (its requests'
+# `steps_to_finish`, summed). An arrival-order reduction shows in every all-reduce, so a short
+# Case shows it as well as a long one; re-running every such Case cost 0.4 x the examples/s at
+# tp8pp1 (bench/results/oracle_cost_same_cases_cpu.json), a re-run costing what the run did.
+DETERMINISM_TP_STEPS = 8
 
 
 def prefix_twin_due(case: Case) -> bool:
@@ -68,11 +73,15 @@ def alone_case(case: Case, rid: str, r: RequestSpec, params, forced: list[int]) 
 
 
 def sampled_for_determinism(case: Case) -> bool:
-    """Every Case whose TP group has three ranks or more: there the order partials are summed
-    in can change bits (two partials commute exactly), so only there can another Schedule show
-    a timing-dependent reduction (docs/bug_classes.md#allreduce_arrival_order). Of the others
-    about one in DETERMINISM_ONE_IN, fixed by its content (never by chance)."""
-    if case.config.tensor_parallel_size >= 3:
+    """Every short Case (DETERMINISM_TP_STEPS) whose TP group has three ranks or more: there
+    the order partials are summed in can change bits (two partials commute exactly), so only
+    there can another Schedule show a timing-dependent reduction
+    (docs/bug_classes.md#allreduce_arrival_order). Of all others about one in
+    DETERMINISM_ONE_IN, fixed by its content (never by chance): a Case always gets the same
+    checks."""
+    cfg = case.config
+    if cfg.tensor_parallel_size >= 3 and sum(steps_to_finish(r, cfg) for r in case.workload.requests) \
+            <= DETERMINISM_TP_STEPS:
         return True
     return hashlib.sha256(case.key().encode()).digest()[0] % DETERMINISM_ONE_IN == 0
 

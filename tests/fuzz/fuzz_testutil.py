@@ -11,10 +11,10 @@ from fuzz.verdict.harness import Harness
 from fuzz.verdict.properties import LogitsMismatch, Violation
 
 
-def violation_on_fresh_engines(case: Case) -> Violation:
-    """The Violation a new Harness (engines no other Case ran on) finds in `case`; fails the
-    test if it finds none."""
-    h = Harness()
+def violation_on_fresh_engines(case: Case, oracles: frozenset[str] = frozenset()) -> Violation:
+    """The Violation a new Harness (engines no other Case ran on, checking every Case with
+    `oracles` besides those it always runs) finds in `case`; fails the test if it finds none."""
+    h = Harness(oracles=oracles)
     try:
         with pytest.raises(Violation) as ei:
             h.check(case)

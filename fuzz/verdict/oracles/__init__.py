@@ -19,8 +19,9 @@ rows only; an aborted request compares as a prefix everywhere.
 
 Reference and solo check every Case. Transformers checks every failing Case (a second
 opinion in the reproducer) and passing ones while its cost stays under a quarter of the
-harness's time; determinism checks about one Case in 20, chosen by the Case's hash, so a
-Case always gets the same checks. `--oracle NAME` checks every Case with NAME.
+harness's time; determinism checks every short Case with 3 or more TP ranks and about one
+other Case in 20, chosen by the Case's hash (`fuzz.verdict.derived.sampled_for_determinism`),
+so a Case always gets the same checks. `--oracle NAME` checks every Case with NAME.
 """
 from __future__ import annotations
 

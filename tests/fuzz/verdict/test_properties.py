@@ -203,7 +203,7 @@ FAULT_CASES = [
     ("split_k_by_batch_size", "split_k_by_batch_size",
      case_of("tp1pp1", [req(1, 2)], fault="split_k_by_batch_size"), BitwiseViolation),
     # tp4: four partials, whose sum depends on their order; the determinism oracle re-runs every
-    # tp >= 3 Case under another rank order (fuzz.verdict.derived.sampled_for_determinism).
+    # short tp >= 3 Case under another rank order (fuzz.verdict.derived.sampled_for_determinism).
     ("allreduce_arrival_order", "allreduce_arrival_order",
      case_of("tp4pp1", [req(1, 2, seed=1)], fault="allreduce_arrival_order"), DeterminismViolation),
     # r0 and r1 (4 tokens each, budget 8) fill microbatch 0 on pp2 at max_num_seqs 2; r2 is
@@ -227,6 +227,13 @@ FAULT_CASES = [
 
 def test_every_registry_fault_has_a_case() -> None:
     assert sorted(FAULTS) == sorted({f for _, f, _, _ in FAULT_CASES})
+
+
+def test_the_arrival_order_case_is_one_the_determinism_oracle_reruns() -> None:
+    from fuzz.verdict.derived import sampled_for_determinism
+
+    [case] = [c for _, f, c, _ in FAULT_CASES if f == "allreduce_arrival_order"]
+    assert sampled_for_determinism(case)
 
 
 @pytest.mark.parametrize("fault,case,expected", [c[1:] for c in FAULT_CASES], ids=[c[0] for c in FAULT_CASES])
