@@ -2,7 +2,8 @@
 
 The one campaign loop for every target (fuzz.targets.base: our engine, vLLM). It goes round the
 target's cells (layouts): a first round of one example each (every layout is visited before
-any gets a second), then chunks of a few examples each; or it visits each cell of a
+any gets a second), then chunks of a few examples each, the next to the cell that has had the
+least time; or it visits each cell of a
 `sequential` target (vLLM: an engine start per cell) once for its share of the budget.
 `_find` runs Hypothesis on one chunk (a fresh seed each, or the example database in nightly
 mode) and returns the failures it found, shrunk as far as Hypothesis got within the budget;
@@ -349,21 +350,28 @@ class Campaign(SequentialVisits):
         # `stream` on: together they run the chunks one process would, each chunk once.
         stream, streams = (self.share.stream, self.share.streams) if self.share is not None else (0, 1)
         k = [stream] * len(self.cells)  # each cell's next chunk index
-        i = 0
+        # Seconds each cell's chunks took after its first: the next chunk goes to the cell that
+        # has had the least time, so every cell gets an equal share of the budget, not an equal
+        # number of examples (a tp8 example costs ten of tp1's; counted in examples, the small
+        # layouts, where most bugs show first, got a few examples a minute).
+        spent = [0.0] * len(self.cells)
         while time.monotonic() < self._deadline:
             check_stop()
             if self.share is not None and self.share.ended():
                 return
-            # One cell per chunk, round robin. The first round gives each cell one example (its
-            # simplest Case, engines built): on a short budget every layout is visited before any
-            # gets a second. A layout's summary rows are per mode (stats_key), and a round-robin
-            # target never ends, skips or repeats a cell: its own row is a scratch one.
-            c = i % len(self.cells)
+            # The first round gives each cell one example (its simplest Case, engines built): on
+            # a short budget every layout is visited before any gets a second. A layout's
+            # summary rows are per mode (stats_key), and a round-robin target never ends, skips
+            # or repeats a cell: its own row is a scratch one.
+            fresh = [c for c in range(len(self.cells)) if k[c] == stream]  # not visited yet
+            c = fresh[0] if fresh else min(range(len(self.cells)), key=lambda j: (spent[j], j))
             first_round = k[c] == 0 and self.cells_total > 1
+            t = time.monotonic()
             if self._visit(self.cells[c], CellStats(), k[c], self._deadline, 1 if first_round else None):
                 return
+            if not first_round:
+                spent[c] += time.monotonic() - t
             k[c] += streams
-            i += 1
 
     def _shrink_phase(self) -> None:
         """After the budget: minimize what it cut short, within `shrink_budget_s`."""
