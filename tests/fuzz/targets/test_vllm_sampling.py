@@ -70,10 +70,11 @@ def _hits_possible(case) -> tuple[int, int]:
 
 def test_prefix_caching_cells_draw_prompts_a_cache_can_serve():
     """With prefix caching on, a cell's prompts share whole blocks: over the plan's first six
-    caching configs a prefix cache could serve a fifth of the prompt tokens or more (measured
-    0.26-0.31 as Hypothesis's draws move; 0.18 when vLLM's cells draw as if caching were
-    off; blocks of 64 at max_model_len 128 the least); configs whose block is as long as
-    max_model_len are not planned (no prompt could hit)."""
+    caching configs a prefix cache could serve 30 % of the prompt tokens or more (measured
+    0.41; 0.33 with unrelated requests as common as with our engine's small blocks and the
+    prefix one under the first block edge drawn first; 0.18 when vLLM's cells draw as if
+    caching were off); configs whose block is as long as max_model_len are not planned (no
+    prompt could hit)."""
     from hypothesis import HealthCheck, Phase, given, seed, settings
 
     from fuzz.targets.blackbox_target import config_cells
@@ -94,7 +95,7 @@ def test_prefix_caching_cells_draw_prompts_a_cache_can_serve():
             total[1] += h
 
         count()
-    assert total[1] >= 0.2 * total[0], total
+    assert total[1] >= 0.3 * total[0], total
 
 
 def test_a_runs_mix_counts_cached_tokens_and_sampled_requests():
