@@ -260,6 +260,10 @@ class BlackBoxChecker:
     def extra_checks(self, case: Case, test: TargetRun) -> None:
         """A target's own properties on the batch run (vLLM: its n-gram drafts)."""
 
+    def check_draws(self, case: Case, rid: str, spec: RequestSpec, rows: list, tokens: list[int], lp_tol: float) -> None:
+        """A target's own random draw for request `rid` on the oracle's raw logits `rows`
+        (vLLM on CPU: its seeded Gumbel-max); none known by default."""
+
     def solo_oracle(self) -> str:
         return f"{self.name}-solo"
 

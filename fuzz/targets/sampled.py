@@ -11,7 +11,9 @@ reference is teacher-forced on the target's own tokens, and
   reference's raw logits row and the token history: a greedy request's token is the argmax
   of the processed logits; a random one's is in the support left by top-k, top-p, min-p,
   the bias and min_tokens (which, on vLLM, masks the model's EOS too). The target's token
-  gets the benefit of the tolerance: its raw logit is raised by it first, so another engine's rounding at a threshold is no failure.
+  gets the benefit of the tolerance: its raw logit is raised by it first, so another engine's rounding at a threshold is no failure;
+- where the target's random draw is known (`checker.check_draws`: vLLM's CPU Gumbel-max,
+  fuzz.targets.vllm.gumbel), a seeded request's token is the one its draw gives.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ def check_sampled(checker, case: Case, items: list, plain: set[str], test: Targe
             raise checker.props.sampling(f"request {rid} position {bad[0]}: {checker.label} chose token "
                                          f"{forced[rid][bad[0]]}, {bad[1]} (params {spec.sampling.to_dict()})",
                                          case, None, "sampling")
+        checker.check_draws(case, rid, spec, [rec.logits for rec in trace.tokens[rid]], forced[rid], lp_tol)
     return rep
 
 

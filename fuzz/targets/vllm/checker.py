@@ -10,6 +10,9 @@ Properties (each in fuzz.verdict.properties' Violation tree, so shrinking and re
 - `vllm_vs_reference`: against our reference engine (tp1pp1, eager, fp32) on the same
   checkpoint, by `fuzz.verdict.compare.compare_runs`: greedy tokens equal where the reference's
   margin is comfortable, logprobs of every token in both top-k lists within `lp_tol`.
+- `vllm_sampling`: each sampled token is one its params allow (fuzz.targets.sampled), and a
+  seeded random request's is the one vLLM's CPU Gumbel-max draws from its seed
+  (fuzz.targets.vllm.gumbel), where no near tie leaves it open.
 - `vllm_draft`: with n-gram speculation, every draft vLLM's proposer made equals the one
   the request's token history implies (fuzz.targets.vllm.drafts); acceptance is counted
   per cell (`draft_stats`).
@@ -135,6 +138,25 @@ class VLLMChecker(BlackBoxChecker):
 
     def wants_prompt_logprobs(self, case: Case) -> bool:
         return super().wants_prompt_logprobs(case) and not VLLMOptions.of(case).enable_prefix_caching
+
+    def check_draws(self, case: Case, rid: str, spec: RequestSpec, rows: list, tokens: list[int], lp_tol: float) -> None:
+        """`vllm_sampling`: a seeded random request's tokens are the ones vLLM's CPU Gumbel-max
+        draws from its seed (fuzz.targets.vllm.gumbel), wherever the oracle's logits leave no
+        near tie; counted per cell ("draws_checked", "draws_near_tie"). Not with speculative
+        decoding (the rejection sampler draws otherwise) and not off the CPU (another kernel)."""
+        p = spec.sampling
+        if p.temperature <= 0 or p.seed is None or case.config.speculative_method != "none" \
+                or case.config.device != "cpu":
+            return
+        from fuzz.targets.vllm.gumbel import check_draws
+
+        bad, checked, ties = check_draws(spec, rows, tokens, lp_tol, self.min_tokens_masks)
+        into = self.mix_stats.setdefault(cell_name(case.config, VLLMOptions.of(case)), {})
+        into["draws_checked"] = into.get("draws_checked", 0) + checked
+        into["draws_near_tie"] = into.get("draws_near_tie", 0) + ties
+        if bad is not None:
+            raise self.props.sampling(f"request {rid} position {bad[0]}: {bad[1]} (params {p.to_dict()})",
+                                      case, None, "vLLM's seeded Gumbel draw")
 
     def _count_mix(self, case: Case, test: TargetRun, cell: str) -> None:
         into = self.mix_stats.setdefault(cell, {})

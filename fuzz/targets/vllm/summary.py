@@ -88,7 +88,7 @@ def not_reached(s) -> list[str]:
 def reach(notes: dict) -> str:
     """What a cell's Cases exercised, in a few words: the prefix cache's hit rate (with caching
     on), the Cases whose drafts were accepted 2 or more in a step (with n-gram drafting), the
-    requests sampled and aborted."""
+    requests sampled and aborted, and the seeded random tokens checked against vLLM's draw."""
     mix, drafts, out = notes.get("mix") or {}, notes.get("drafts") or {}, []
     if notes.get("llm_kwargs", {}).get("enable_prefix_caching"):
         out.append(f"hit {mix.get('hit_rate', 0.0):.2f}")
@@ -96,6 +96,8 @@ def reach(notes: dict) -> str:
         out.append(f"accept>=2 {drafts.get('cases_accepting_2plus', 0)}/{drafts.get('cases', 0)}")
     if mix:
         out.append(f"sampled {mix.get('sampled', 0)}/{mix.get('requests', 0)}, aborted {mix.get('aborted', 0)}")
+    if mix.get("draws_checked") or mix.get("draws_near_tie"):
+        out.append(f"seeded draws {mix.get('draws_checked', 0)} checked, {mix.get('draws_near_tie', 0)} near ties")
     return ", ".join(out)
 
 

@@ -245,6 +245,8 @@ def test_the_table_says_what_each_cell_reached():
     assert reach(notes) == "hit 0.31, accept>=2 82/142, sampled 178/730, aborted 14"
     assert reach({"llm_kwargs": {"enable_prefix_caching": False}, "mix": notes["mix"]}) == "sampled 178/730, aborted 14"
     assert reach({}) == ""
+    seeded = {"mix": {**notes["mix"], "draws_checked": 40, "draws_near_tie": 3}}
+    assert reach(seeded) == "sampled 178/730, aborted 14, seeded draws 40 checked, 3 near ties"
 
 
 def test_a_short_budget_picks_pairs_per_second_not_just_the_cheapest():

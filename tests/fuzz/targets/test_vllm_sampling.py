@@ -186,8 +186,30 @@ def test_sampled_requests_pass_and_the_prefix_cache_hits(tmp_path):
         assert set(v.oracles) >= {"reference", "reference-forced", "vllm-solo"}
         mix = c.mix_stats["tp1pp1-eager+enable_prefix_caching"]
         assert mix["sampled"] == 3 and mix["random"] == 2 and mix["cached_tokens"] >= 32
+        # The two seeded requests' 12 tokens, each vLLM's Gumbel draw where no near tie.
+        assert mix["draws_checked"] + mix["draws_near_tie"] == 12 and mix["draws_checked"] >= 9, mix
     finally:
         c.close()
+
+
+@pytest.mark.vllm
+def test_the_gumbel_draw_is_vllms_cpu_kernel_bit_for_bit():
+    """fuzz.targets.vllm.gumbel, written from the definition, against the installed vLLM's
+    `fused_gumbel_argmax` on random rows (masked tails too) and seeds."""
+    pytest.importorskip("vllm")
+    import torch
+    from vllm.platforms import current_platform
+
+    from fuzz.targets.vllm.gumbel import draw
+
+    current_platform.import_kernels()
+    g = torch.Generator().manual_seed(0)
+    for V in (7, 256, 32000):
+        x = torch.randn(16, V, generator=g) * 3
+        x[::2, V // 3:] = float("-inf")
+        seeds = torch.randint(0, 2 ** 31, (16,), generator=g, dtype=torch.long)
+        got = torch.ops._C.fused_gumbel_argmax(x.contiguous(), seeds).tolist()
+        assert got == [draw(x[i].numpy(), int(seeds[i])) for i in range(16)], V
 
 
 @pytest.mark.vllm
@@ -209,17 +231,24 @@ def test_min_tokens_masks_vllms_eos_too(tmp_path):
 
 @pytest.mark.vllm
 @pytest.mark.slow  # two engines
-def test_planted_seed_draw_per_row_is_caught_by_the_seeded_solo_check_only(tmp_path, monkeypatch):
+def test_planted_seed_draw_per_row_is_caught_by_each_seeded_check_alone(tmp_path, monkeypatch):
+    """A generator advanced for rows it did not sample: the seeded solo run differs, and in the
+    batch run itself each token is another seed's draw (each still one its params allow)."""
     pytest.importorskip("vllm")
-    from fuzz.targets.vllm.checker import VLLMBatchInvariance, VLLMChecker
+    from fuzz.targets.vllm.checker import VLLMBatchInvariance, VLLMChecker, VLLMSampling
     from fuzz.targets.vllm.runner import VLLMRunner
 
     monkeypatch.setenv("LLMFUZZ_VLLM_PLANT", "seed_draw_per_row")
     c = VLLMChecker(VLLMRunner(spare=False, log_dir=str(tmp_path)), transformers=False)
+    draws = c.check_draws
     try:
+        c.check_draws = lambda *a: None
         with pytest.raises(VLLMBatchInvariance, match=r"request r0 \(seed 11.*must advance with its own draws"):
             c.check(vllm_case(SEEDED))
-        c.batch_invariance = False  # every other property passes: each token is one its params allow
+        c.check_draws, c.batch_invariance = draws, False
+        with pytest.raises(VLLMSampling, match="its seeded Gumbel draw"):
+            c.check(vllm_case(SEEDED))
+        c.check_draws = lambda *a: None  # every other property passes
         c.check(vllm_case(SEEDED))
     finally:
         c.close()
