@@ -162,6 +162,27 @@ def tiny_budget(cfg: EngineConfig, wl: Workload, tiny: int | None) -> EngineConf
     return cfg.replace(max_num_batched_tokens=tiny)
 
 
+# Whether the token budget is cut under a random request's prompt (`sampled_chunked`); False
+# shrinks first.
+SAMPLED_CHUNKED = (False, True)
+
+
+def sampled_chunked(cfg: EngineConfig, wl: Workload, on: bool) -> EngineConfig:
+    """`cfg` with a token budget one under the longest prompt of a random-sampling request that
+    fits the budget as drawn, where the workload is small enough (DRAFT_EDGE_MAX_TOKENS): its
+    prefill takes two chunks or more, the first of which samples nothing for it, and its
+    generator must not draw there (the class of
+    docs/bug_classes.md#sampling_generator_advanced_unsampled). Lengthening a random request's
+    prompt past the budget (fuzz.cases.strategies.sampled_requests) cannot where the budget is
+    max_model_len, the budget drawn most often; there the Case was found at its 40th example
+    of a 60 s selftest, or not at all."""
+    lens = [len(r.prompt_token_ids) for r in wl.requests if r.sampling is not None and not r.sampling.is_greedy]
+    longest = max((n for n in lens if 2 <= n <= cfg.max_num_batched_tokens), default=None)
+    if not on or longest is None or wl.num_tokens > DRAFT_EDGE_MAX_TOKENS:
+        return cfg
+    return cfg.replace(max_num_batched_tokens=longest - 1)
+
+
 # Whether the token budget is put on a drafting decode's edge (`draft_edge`); False shrinks first.
 DRAFT_EDGE = (False, True)
 # A budget of a few tokens runs a workload in many steps: only for workloads of at most this
