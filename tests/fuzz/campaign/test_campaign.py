@@ -161,3 +161,22 @@ def test_shrink_while_finding_stops_at_shrink_s(tmp_path) -> None:
     s = campaign(tmp_path, h, budget_s=60, shrink_s=3.0, shrink_grace_s=0.0).run()
     assert len(s.failures) == 1 and s.failures[0].path
     assert _time.monotonic() - t0 < 20, (s.first_failure_s, _time.monotonic() - t0)
+
+
+def test_each_cell_gets_an_equal_share_of_the_time_not_of_the_examples(monkeypatch) -> None:
+    """A layout whose examples cost many times another's gets a fraction of its examples:
+    the next chunk goes to the cell that has had the least time."""
+    import time
+
+    from fuzz_testutil import FakeHarness, recording_draws
+
+    class Slow(FakeHarness):
+        def check(self, case):
+            time.sleep(0.5 if case.config.layout == "tp1pp2" else 0.001)
+            return super().check(case)
+
+    with recording_draws(monkeypatch) as seen:
+        Campaign(layouts=("tp1pp1", "tp1pp2"), modes=("eager",), seed=3, budget_s=5.0, progress=False,
+                 harness=Slow(), out_dir="/nonexistent").run()
+    n = {lay: sum(len(v) for (cell, _), v in seen.items() if cell == lay) for lay in ("tp1pp1", "tp1pp2")}
+    assert n["tp1pp1"] > 2 * n["tp1pp2"], n  # round robin: as many each
