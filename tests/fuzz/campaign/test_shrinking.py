@@ -106,8 +106,9 @@ def test_hypothesis_shrinks_planted_bug_to_minimal_case(planted_bug, harness) ->
         settings=settings(max_examples=300, database=None, derandomize=True, deadline=None,
                           suppress_health_check=list(HealthCheck)))
     # What Hypothesis alone reaches: the simplest layout with pp >= 2, default schedule, no
-    # SP, no broadcast, the budget and KV pool at their defaults, one-token outputs. Measured with Hypothesis 6.155 and derandomize=True, its shrinker stops at prompt
-    # lens [1, 8] with n-gram drafting on: the request that crosses the block is a
+    # SP, no broadcast, the budget and KV pool at their defaults, one-token outputs. Measured with Hypothesis 6.155 and derandomize=True, its shrinker stops at three
+    # requests, prompt lens [1, 1, 5] (since plain decoding is drawn two times in five; before,
+    # at [1, 8] with n-gram drafting on). With drafting on, the request that crosses the block is a
     # self-drafting one (fuzz.cases.drafting: a stored 8-token prompt, joining n-gram Cases
     # only), so switching drafting off drops it, and Hypothesis would have to lengthen a drawn
     # prompt in the same step; nor does it delete a leading trivial request (a whole list
@@ -119,7 +120,7 @@ def test_hypothesis_shrinks_planted_bug_to_minimal_case(planted_bug, harness) ->
     assert found.config.max_num_batched_tokens == FUZZ_MODEL.max_num_batched_tokens
     assert found.config.num_gpu_blocks == FUZZ_MODEL.num_gpu_blocks
     assert all(r.max_tokens == 1 for r in found.workload.requests), found.workload  # (a self-drafting one arrives at step 1)
-    assert len(found.workload.requests) <= 2, found.describe()
+    assert len(found.workload.requests) <= 3, found.describe()
 
     small, _ = minimize(found, lambda c: _fails(harness, c))
     _assert_minimal(small)
