@@ -176,7 +176,7 @@ def sampled_chunked(cfg: EngineConfig, wl: Workload, on: bool) -> EngineConfig:
     prompt past the budget (fuzz.cases.strategies.sampled_requests) cannot where the budget is
     max_model_len, the budget drawn most often; there the Case was found at its 40th example
     of a 60 s selftest, or not at all."""
-    lens = [len(r.prompt_token_ids) for r in wl.requests if r.sampling is not None and not r.sampling.is_greedy]
+    lens = [len(r.prompt_token_ids) for r in wl.requests if not r.params.is_greedy]
     longest = max((n for n in lens if 2 <= n <= cfg.max_num_batched_tokens), default=None)
     if not on or longest is None or wl.num_tokens > DRAFT_EDGE_MAX_TOKENS:
         return cfg

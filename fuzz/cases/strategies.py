@@ -408,7 +408,7 @@ def cases(draw, layouts=DEFAULT_LAYOUTS, modes=("eager",), faults: tuple[str, ..
     if k >= 2 and draw(st.sampled_from(DRAFT_EDGE)):
         cfg = draft_edge(cfg, wl, draw(st.integers(2, k)))
     # A random request's prefill in chunks, drawn last too (random sampling is never drafted).
-    if any(r.sampling is not None and not r.sampling.is_greedy for r in wl.requests):
+    if any(not r.params.is_greedy for r in wl.requests):
         cfg = sampled_chunked(cfg, wl, draw(st.sampled_from(SAMPLED_CHUNKED)))
     case = Case(cfg, wl, schedule, tuple(faults), poison=poison)
     for name in limits_reached(cfg, wl.requests):
@@ -436,8 +436,8 @@ def cases(draw, layouts=DEFAULT_LAYOUTS, modes=("eager",), faults: tuple[str, ..
         event("sampling")
         if any(not p.is_greedy for p in params):
             event("random sampling")
-            if any(not r.sampling.is_greedy and len(r.prompt_token_ids) > cfg.max_num_batched_tokens
-                   for r in wl.requests if r.sampling is not None):
+            if any(not r.params.is_greedy and len(r.prompt_token_ids) > cfg.max_num_batched_tokens
+                   for r in wl.requests):
                 event("random sampling, prefill chunked")
         if any(p.has_penalties for p in params):
             event("penalties")

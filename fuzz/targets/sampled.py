@@ -50,9 +50,7 @@ def first_disallowed(spec, rows, tokens: list[int], tol: float, min_tokens_masks
     """(position, why) of the first token `spec.sampling` does not allow, or None.
     `min_tokens_masks`: tokens the target masks under min_tokens besides the stop ids (vLLM:
     the model's EOS, even with ignore_eos)."""
-    params, prompt = spec.sampling, list(spec.prompt_token_ids)
-    if params.min_tokens and min_tokens_masks:  # for the masking only: the request still stops on its own ids
-        params = replace(params, stop_token_ids=tuple(sorted(set(params.stop_token_ids) | set(min_tokens_masks))))
+    params, prompt = masked_under_min_tokens(spec.sampling, min_tokens_masks), list(spec.prompt_token_ids)
     for i, (row, tok) in enumerate(zip(rows, tokens)):
         raw = row.double().numpy().copy()
         raw[tok] += tol
@@ -65,3 +63,11 @@ def first_disallowed(spec, rows, tokens: list[int], tol: float, min_tokens_masks
                 return i, (f"not the argmax of the processed logits ({int(np.argmax(np.where(exp.keep, exp.z, -np.inf)))}"
                            f" leads by {best - exp.z[tok]:.3g} beyond the tolerance)")
     return None
+
+
+def masked_under_min_tokens(params, min_tokens_masks=()):
+    """`params` as the sampler masks under min_tokens: the stop ids and `min_tokens_masks` (for
+    the masking only: the request still stops on its own ids)."""
+    if params.min_tokens and min_tokens_masks:
+        return replace(params, stop_token_ids=tuple(sorted(set(params.stop_token_ids) | set(min_tokens_masks))))
+    return params

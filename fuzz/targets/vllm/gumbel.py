@@ -16,11 +16,10 @@ counted, not judged) and no token at a mask's threshold could take the lead.
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import torch
 
+from fuzz.targets.sampled import masked_under_min_tokens
 from fuzz.verdict.oracles.sampling import expected_distribution
 
 GAMMA = np.uint64(0x9E3779B97F4A7C15)
@@ -57,9 +56,7 @@ def draw(logits: np.ndarray, seed: int) -> int:
 def check_draws(spec, rows, tokens: list[int], tol: float, min_tokens_masks=()) -> tuple[tuple[int, str] | None, int, int]:
     """(first wrong draw as (position, why) or None, positions checked, near ties) of a seeded
     random request whose tokens vLLM sampled, on the oracle's raw logits `rows`."""
-    params, prompt = spec.sampling, list(spec.prompt_token_ids)
-    if params.min_tokens and min_tokens_masks:  # as fuzz.targets.sampled.first_disallowed
-        params = replace(params, stop_token_ids=tuple(sorted(set(params.stop_token_ids) | set(min_tokens_masks))))
+    params, prompt = masked_under_min_tokens(spec.sampling, min_tokens_masks), list(spec.prompt_token_ids)
     # A raw logit off by `tol` moves a processed one by tol / T, or r / T after a repetition penalty.
     r = params.repetition_penalty
     margin = 2.0 * tol * max(r, 1.0 / r) / params.temperature
