@@ -18,6 +18,10 @@
 #   S seconds on the last kernel with --oracle determinism (every Case re-run under another
 #   Schedule and compared bit for bit: schedule invariance measured on CUDA). allreduce_arrival_order,
 #   which only that oracle can see, gets a GPU selftest of its own with --oracle determinism.
+# SOLO="F ..." gives each of those faults a GPU selftest process of its own, $SOLO_BPF s (default
+# $GPU_BPF; allreduce_arrival_order's gets it too): the faults that need tens of examples, which
+# a GPU time-sliced by a dozen processes runs at about one a second each.
+# KERNELS="flash_attn" (say) limits the GPU work to those kernels.
 # Everything is packed into $OUT/device_verify.tgz.
 set -uo pipefail
 FINAL="${1:?output directory}"
@@ -25,6 +29,7 @@ R=$(mktemp -d)
 WALL=${WALL:-560}
 BPF=${BPF:-12}
 GPU_BPF=${GPU_BPF:-$BPF}
+SOLO_BPF=${SOLO_BPF:-$GPU_BPF}
 PARTS=${PARTS:-2}
 CAMPAIGNS=${CAMPAIGNS:-1}
 CPU_SELFTESTS=${CPU_SELFTESTS:-1}
@@ -36,8 +41,10 @@ export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_D
 if [[ ! -d $HOME/fa4/site/flash_attn && -d .fa4/p2 && -n "$(ls "$HOME"/fa4/part.* 2>/dev/null)" ]]; then
     cat "$HOME"/fa4/part.* .fa4/p2/* | xz -d | (mkdir -p "$HOME/fa4/site" && tar -x -C "$HOME/fa4/site")
 fi
-KERNELS=torch_flash
-[[ -d $HOME/fa4/site/flash_attn ]] && KERNELS="torch_flash flash_attn"
+if [[ -z ${KERNELS:-} ]]; then
+    KERNELS=torch_flash
+    [[ -d $HOME/fa4/site/flash_attn ]] && KERNELS="torch_flash flash_attn"
+fi
 export PYTHONPATH=$HOME/fa4/site:$HOME/fa4/site/nvidia_cutlass_dsl/dsl_packages:$PWD
 GPUS=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 read -r -a FAULTS <<<"$(python3 -c 'from engine.faults import FAULTS; print(" ".join(sorted(FAULTS)))')"
@@ -48,6 +55,7 @@ selftest() {  # selftest NAME BPF ARGS...: the faults dealt over $PARTS processe
         faults=()
         for ((i = k; i < ${#FAULTS[@]}; i += PARTS)); do
             [[ $name == *h200* && ${FAULTS[i]} == allreduce_arrival_order ]] && continue  # its own, below
+            [[ $name == *h200* && " ${SOLO:-} " == *" ${FAULTS[i]} "* ]] && continue  # its own, below
             faults+=(--fault "${FAULTS[i]}")
         done
         (timeout -k 20 -s INT "$(left)" python3 -m fuzz.cli selftest --json --budget-per-fault "$bpf" \
@@ -69,13 +77,18 @@ if [[ $CAMPAIGNS != 0 ]]; then
 fi
 if (( GPUS > 0 )); then
     export CUDA_VISIBLE_DEVICES=0
-    (timeout 240 python3 -m pytest -q -m gpu -rs tests -p no:cacheprovider >"$R/pytest_gpu.txt" 2>&1) &
+    [[ ${GPU_PYTEST:-1} != 0 ]] && (timeout 240 python3 -m pytest -q -m gpu -rs tests -p no:cacheprovider >"$R/pytest_gpu.txt" 2>&1) &
     for kernel in $KERNELS; do
         selftest "selftest_h200_bf16_$kernel" "$GPU_BPF" --device cuda --dtype bfloat16 --attention-backend "$kernel"
-        (timeout -k 20 -s INT "$(left)" python3 -m fuzz.cli selftest --json --budget-per-fault "$GPU_BPF" \
+        (timeout -k 20 -s INT "$(left)" python3 -m fuzz.cli selftest --json --budget-per-fault "$SOLO_BPF" \
             --out "/tmp/st-det-$kernel" --device cuda --dtype bfloat16 --attention-backend "$kernel" \
             --oracle determinism --fault allreduce_arrival_order \
             >"$R/selftest_h200_bf16_$kernel.determinism.json" 2>"$R/selftest_h200_bf16_$kernel.determinism.err") &
+        for f in ${SOLO:-}; do  # the faults that need many examples: a process each, the whole wall
+            (timeout -k 20 -s INT "$(left)" python3 -m fuzz.cli selftest --json --budget-per-fault "$SOLO_BPF" \
+                --out "/tmp/st-$kernel-$f" --device cuda --dtype bfloat16 --attention-backend "$kernel" --fault "$f" \
+                >"$R/selftest_h200_bf16_$kernel.$f.json" 2>"$R/selftest_h200_bf16_$kernel.$f.err") &
+        done
     done
     if (( ${GPU_CAMPAIGN:-0} > 0 )); then
         (timeout -k 10 -s INT $(( GPU_CAMPAIGN + 120 )) python3 -m fuzz.cli run --device cuda --dtype bfloat16 \
