@@ -50,13 +50,29 @@ def _wait_for(proc, pattern: str, timeout: float) -> str:
     pytest.fail(f"{pattern!r} not seen within {timeout}s; stderr so far:\n{seen[-2000:]}")
 
 
+def _wait_for_file(proc, out: Path, timeout: float) -> None:
+    """Wait until a reproducer is written under `out` (its write is atomic: a .json there is whole)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if any(not f.name.startswith(".") for f in out.rglob("*.json")):  # not a .tmp- one being written
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"the campaign ended ({proc.returncode}) before writing a reproducer: "
+                        f"{proc.stderr.read()[-2000:]}")
+        time.sleep(0.2)
+    proc.kill()
+    pytest.fail(f"no reproducer under {out} within {timeout}s")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_keeps_found_failure_and_prints_summary(tmp_path, sig):
-    # A fault the simplest Case shows, found and minimal at the first example (~4 s).
+    # A fault the simplest Case shows, at the first example (~4 s). Its reproducer is on disk at
+    # once, before shrinking; the signal lands while Hypothesis shrinks (here for minutes: a
+    # longer Case of the same run fails another property too, and both are minimized).
     proc = _start(["--budget", "300", "--fault", "pp_uneven_partition", "--keep-going",
                    "--layouts", "tp1pp3", "--modes", "eager"], tmp_path)
-    _wait_for(proc, "FOUND", 240)  # the failure is on disk from here on
+    _wait_for_file(proc, tmp_path / "repro", 240)
     proc.send_signal(sig)
     t0 = time.monotonic()
     try:
