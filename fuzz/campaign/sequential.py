@@ -15,23 +15,30 @@ from fuzz.campaign.summary import CellStats
 
 class SequentialVisits:
     def _run_sequential(self) -> None:
-        """Each cell once, in order: its share of the time left (start-up included), and at
-        least min(min_cell_s, budget) of examples once started. A cell's costs are added to
-        its row however it ends (Target.cell_done). A shard's cell keeps its place in the whole
-        campaign (`share.positions`) and runs its stream of the chunks: the seeds one machine uses."""
+        """Each cell once, in order, for an equal share of the examples' time: the time left,
+        less the start-ups of the cells not yet started (`Target.start_estimate_s`), over those
+        cells; at least min(min_cell_s, budget) once started. Counting a start in its cell's
+        share gave the cheap configs planned first a minute of examples and the compiled and
+        multi-worker ones after them, whose starts take most of a share, a few seconds. A cell's
+        costs are added to its row however it ends (Target.cell_done). A shard's cell keeps its
+        place in the whole campaign (`share.positions`) and runs its stream of the chunks: the
+        seeds one machine uses."""
         share = self.share
         stream, streams = (share.stream, share.streams) if share is not None else (0, 1)
         for ci, cell in enumerate(self.cells):
             now = time.monotonic()
             if now >= self._deadline:
                 return
-            time_share = (self._deadline - now) / (len(self.cells) - ci)
+            starts = sum(self.target.start_estimate_s(c) for c in self.cells[ci:])
+            fuzz_share = max(0.0, self._deadline - now - starts) / (len(self.cells) - ci)
             place = (share.positions or {}).get(cell.name, ci) if share is not None else ci
             row = self.summary.cells.setdefault(self.target.stats_key(cell.data), CellStats())
             try:
                 if not self._start(cell, row):
                     continue
-                end, j = max(now + time_share, time.monotonic() + min(self.min_cell_s, self.budget_s)), stream
+                started = time.monotonic()
+                end, j = max(min(started + fuzz_share, self._deadline),
+                             started + min(self.min_cell_s, self.budget_s)), stream
                 while time.monotonic() < end and not row.stopped:
                     check_stop()
                     if self._visit(cell, row, place * 1009 + j, end):

@@ -76,6 +76,11 @@ class Target(abc.ABC):
     def start(self, cell: Cell) -> None:
         """Before a cell's examples: raise Unsupported, or a Violation when the engine fails to start."""
 
+    def start_estimate_s(self, cell: Cell) -> float:
+        """Seconds `start(cell)` is expected to take (0: nothing to start, or already up): a
+        sequential campaign keeps them aside for the cells not yet started."""
+        return 0.0
+
     def triage(self, violation, earlier: list) -> str:
         """'new' (minimize and write it), 'known' (count it, no reproducer) or 'repeat' (a
         property this cell already reported: count it). `earlier`: the cell's Failures."""

@@ -20,8 +20,9 @@ fuzz.campaign.reproduce need to fuzz a real vLLM (docs/vllm.md).
   raises it), so it is shrunk like any other: straight to the config candidates, one knob
   at a time (a workload cannot matter before the engine is up).
 - time: shrinking happens within the budget (min(300 s, budget/5) a failure; the shrink
-  phase after it gets 2 % of the budget); a cell runs for its share of the time left,
-  however long its first example took, and at least `min_cell_s` once started. When the
+  phase after it gets 2 % of the budget); a cell runs for an equal share of the examples'
+  time (the time left less the start-ups still to come, `start_estimate_s`), however long its
+  first example took, and at least `min_cell_s` once started. When the
   campaign's clock starts (`begin`) the target sets `deadline`, the budget's hard end
   (budget x (1 + HARD_SLACK)): no engine start or run goes past it, and a shrink candidate
   whose engine start would not fit before it is skipped (not a failure).
@@ -171,12 +172,19 @@ class VLLMTarget(Target):
         from fuzz.targets.vllm.runner import start_kind
 
         kind = start_kind(cfg, opts)
-        seen = [s["seconds"] for s in self.checker.runner.starts if s.get("kind") == list(kind)]
+        starts = self._checker.runner.starts if self._checker is not None else ()  # none made yet: none measured
+        seen = [s["seconds"] for s in starts if s.get("kind") == list(kind)]
         if seen:
             return max(seen)
         return startup_cost({"mode": "compiled" if kind[1] else "eager", "dtype": cfg.dtype,
                              "layout": "tp1pp1" if cfg.world_size == 1 else "tp2pp1",
                              "core": "process" if kind[2] else "inproc"})
+
+    def start_estimate_s(self, cell) -> float:
+        cfg, opts = cell.data.config, VLLMOptions.of(cell.data)
+        if self._checker is not None and self._checker.runner.is_live(cfg, opts):
+            return 0.0
+        return self.startup_estimate(cfg, opts)
 
     def simpler(self, case):
         from engine.config import ConfigError

@@ -180,3 +180,46 @@ def test_each_cell_gets_an_equal_share_of_the_time_not_of_the_examples(monkeypat
                  harness=Slow(), out_dir="/nonexistent").run()
     n = {lay: sum(len(v) for (cell, _), v in seen.items() if cell == lay) for lay in ("tp1pp1", "tp1pp2")}
     assert n["tp1pp1"] > 2 * n["tp1pp2"], n  # round robin: as many each
+
+
+def test_sequential_cells_get_equal_time_for_examples_whatever_their_start_costs() -> None:
+    """A sequential target's cells (vLLM: an engine start each) whose starts cost 0, 0.6 and
+    1.2 s, known beforehand (`start_estimate_s`): each gets about the same time for examples.
+    Counting a start in its cell's share gave 1.0, 0.4 and the 0.1 s floor here."""
+    import time
+
+    from hypothesis import strategies as st
+
+    from fuzz.cases.case import Case, RequestSpec, Workload
+    from fuzz.cases.strategies import FUZZ_MODEL
+    from fuzz.targets.base import Cell, Target
+
+    starts = {"a": 0.0, "b": 0.6, "c": 1.2}
+
+    class Starts(Target):
+        name, sequential, hypothesis_shrinks, unit = "starts", True, False, "configs"
+
+        def cells(self):
+            def on(n):
+                return lambda k: Case(FUZZ_MODEL, Workload((RequestSpec((k,), 1),)), target="vllm",
+                                      target_options={"cell": n})
+            return [Cell(n, st.integers(1, 50).map(on(n)), on(n)(1)) for n in starts]
+
+        def stats_key(self, case):
+            return case.target_options["cell"], ""
+
+        def start_estimate_s(self, cell):
+            return starts[cell.name]
+
+        def start(self, cell):
+            time.sleep(starts[cell.name])
+
+        def check(self, case):
+            time.sleep(0.01)
+            return SimpleNamespace(logits=SimpleNamespace(ratio=0.0), case=case)
+
+    s = Campaign(target=Starts(), budget_s=3.0, min_cell_s=0.1, out_dir="/nonexistent", progress=False).run()
+    fuzz_s = {k[0]: c.seconds for k, c in s.cells.items()}
+    # (check time only: Hypothesis' own per-example time is not in it)
+    assert min(fuzz_s.values()) > 0.1 and max(fuzz_s.values()) < 2 * min(fuzz_s.values()), fuzz_s
+    assert s.seconds < 3.5, s.seconds
