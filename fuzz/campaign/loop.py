@@ -217,6 +217,11 @@ class Campaign(SequentialVisits):
         # options off): one extra example per chunk keeps `chunk` drawn ones. After the first
         # rotation the simplest Case is a skipped duplicate.
         s = settings(max_examples=examples or self.chunk + 1)
+        if self.stop_on_failure:
+            # A run that ends at its first failure (`--fault`, selftest) shrinks that one
+            # at once: hunting on for a second bug in the chunk (Hypothesis runs up to twice the
+            # examples the first took) then shrinking it too cost a one-example find 30-50 s.
+            s = settings(s, report_multiple_bugs=False)
         if not self.target.hypothesis_shrinks:  # the minimizer shrinks, within its deadline
             s = settings(s, deadline=None, database=None, phases=(Phase.explicit, Phase.generate),
                          suppress_health_check=list(HealthCheck))

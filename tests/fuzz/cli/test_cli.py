@@ -142,7 +142,7 @@ def test_run_json_times_and_sizes_each_finding(capsys, tmp_path) -> None:
     says what it did (null: nothing was left to it). The text summary has the same table."""
     out_dir = tmp_path / "repro"
     code, out, err = run_cli(capsys, "run", "--fault", "pp_uneven_partition", "--layouts", "tp1pp3", "--modes",
-                             "eager", "--budget", "20", "--shrink-budget", "5", "--out", str(out_dir), "--json")
+                             "eager", "--budget", "12", "--shrink-budget", "5", "--out", str(out_dir), "--json")
     assert code == 1, err[-2000:]
     doc = json.loads(out)
     # The fault shows first as logits; a long Case may show it as a scheduler limit too.
