@@ -260,6 +260,9 @@ def _rss_mb() -> float:
     raise AssertionError("no VmRSS in /proc/self/status")
 
 
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c"))  # glibc: mallinfo2 and malloc_trim
+
+
 class _Mallinfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in
                 ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
@@ -270,9 +273,8 @@ def _heap_mb() -> float:
     """Bytes malloc has handed out and not had back (glibc's mallinfo2: in-use chunks plus
     mmapped ones). Unlike RSS it does not count freed memory the allocator keeps, so what it
     adds over a repeat is what was retained, not fragmentation."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    libc.mallinfo2.restype = _Mallinfo2
-    m = libc.mallinfo2()
+    _LIBC.mallinfo2.restype = _Mallinfo2
+    m = _LIBC.mallinfo2()
     return (m.uordblks + m.hblkhd) / 2**20
 
 
@@ -390,7 +392,7 @@ def _census(h) -> dict:
     gc.collect()
     # Freed heap handed back to the system: what remains resident is what is retained, not
     # the allocator's high-water mark (glibc keeps freed arenas unless trimmed).
-    ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+    _LIBC.malloc_trim(0)
     objs = gc.get_objects()
     kinds = [type(o) for o in objs]  # type(), not isinstance: some objects warn on __class__
     return {"tensors": sum(issubclass(k, torch.Tensor) for k in kinds),
