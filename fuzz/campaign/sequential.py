@@ -36,6 +36,8 @@ class SequentialVisits:
             try:
                 if not self._start(cell, row):
                     continue
+                if ci + 1 < len(self.cells):  # its start-up runs beside this cell's examples
+                    self.target.prestart(self.cells[ci + 1])
                 started = time.monotonic()
                 end, j = max(min(started + fuzz_share, self._deadline),
                              started + min(self.min_cell_s, self.budget_s)), stream

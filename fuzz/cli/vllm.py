@@ -120,55 +120,35 @@ def _cmd_run(args, shard=None) -> int:
 
 
 def _campaign(args, configs: list, known: set[str], plan: dict, share=None, replay_known: bool = True):
-    """The campaign run to its end; the vLLM engines it started are shut down. First, unless
+    """The campaign run to its end; the vLLM engines it started are shut down. Unless
     --include-known, the known crashes whose configs the plan left out replay their
-    reproducers (within the budget), so the summary says whether each still fails (of a
-    sharded campaign, shard 1 only: `replay_known`)."""
+    reproducers beside it, in a process of their own (fuzz.targets.vllm.replays), within the
+    budget, so the summary says whether each still fails (of a sharded campaign, shard 1
+    only: `replay_known`)."""
     from fuzz.campaign.loop import Campaign
-    from fuzz.targets.vllm.target import VLLMTarget
+    from fuzz.targets.vllm.replays import BackgroundReplays, state_line
+    from fuzz.targets.vllm.target import HARD_SLACK, VLLMTarget
 
     target = VLLMTarget(configs, known=known, max_requests=args.max_requests,
                         shrink_configs=not args.no_config_shrink, plan=plan, include_known=bool(args.include_known))
+    hard_end = time.monotonic() + args.budget * (1 + HARD_SLACK)
+    replays = BackgroundReplays(plan, known) if not args.include_known and replay_known else None
     try:
-        t0 = time.monotonic()
-        if not args.include_known and replay_known:
-            target.known_crashes = known_crash_states(target, plan, quiet=args.quiet)
-        budget = max(1.0, args.budget - (time.monotonic() - t0))
-        return Campaign(target=target, budget_s=budget, out_dir=args.out or "reproducers/vllm", seed=args.seed,
-                        shrink_s=args.shrink_budget, progress=not args.quiet, share=share).run()
+        summary = Campaign(target=target, budget_s=args.budget, out_dir=args.out or "reproducers/vllm",
+                           seed=args.seed, shrink_s=args.shrink_budget, progress=not args.quiet, share=share).run()
+        if replays is not None:
+            target.known_crashes = replays.result(hard_end - time.monotonic())
+            target.known_crash_replay_s = replays.seconds
+            if not args.quiet:
+                sys.stderr.write("".join(state_line(k) + "\n" for k in target.known_crashes))
+        return summary
     finally:
+        if replays is not None:
+            replays.stop()
+            if not target.known_crashes:  # stopped before they were collected: still listed
+                target.known_crashes = [{**r, "state": "not replayed", "detail": "the campaign was stopped"}
+                                        for r in replays.rows]
         target.close()
-
-
-def known_crash_states(target, plan: dict, crashes=None, root: str | None = None, quiet: bool = True) -> list[dict]:
-    """Each known crash (fuzz.targets.vllm.known.KNOWN_CRASHES) whose configs this plan left
-    out, and each known workload crash the cells draw around (KNOWN_WORKLOAD_CRASHES), its
-    reproducer replayed once on the installed vLLM: "still fails" (the recorded signature),
-    "passes now" (fixed: plan its configs again), "fails differently" (another failure: which
-    is named) or "no reproducer"."""
-    from fuzz.campaign.reproduce import CaseFormatError, load_reproducer, replay_on
-    from fuzz.targets.vllm.known import KNOWN_CRASHES, KNOWN_WORKLOAD_CRASHES, ROOT
-
-    reasons = " ".join((plan or {}).get("pairs_excluded", {}).values())
-    out = []
-    for k in (*KNOWN_CRASHES, *KNOWN_WORKLOAD_CRASHES) if crashes is None else crashes:
-        combos = getattr(k, "combos", None)
-        if combos is not None and k.short not in reasons:
-            continue
-        row = {"signature": k.signature, "reproducer": k.reproducer}
-        row.update({"combos": [dict(c) for c in combos]} if combos is not None else {"excluded": k.excluded})
-        try:
-            repro = load_reproducer(os.path.join(root or ROOT, k.reproducer))
-        except CaseFormatError as e:
-            out.append({**row, "state": "no reproducer", "detail": str(e)})
-            continue
-        verdict, violation = replay_on(target, repro)
-        state = {"reproduces": "still fails", "passes": "passes now", "differs": "fails differently"}[verdict]
-        detail = "" if violation is None else getattr(violation, "signature", None) or violation.property
-        out.append({**row, "state": state, "detail": detail})
-        if not quiet:
-            sys.stderr.write(f"known crash {k.short}: {state}{f' ({detail})' if verdict == 'differs' else ''}\n")
-    return out
 
 
 def replay_target(repro):

@@ -81,6 +81,10 @@ class Target(abc.ABC):
         sequential campaign keeps them aside for the cells not yet started."""
         return 0.0
 
+    def prestart(self, cell: Cell) -> None:
+        """A sequential campaign's next cell, named while the current one is fuzzed: a target
+        may start its engine now, in the background (vLLM: VLLMRunner.prestart)."""
+
     def triage(self, violation, earlier: list) -> str:
         """'new' (minimize and write it), 'known' (count it, no reproducer) or 'repeat' (a
         property this cell already reported: count it). `earlier`: the cell's Failures."""

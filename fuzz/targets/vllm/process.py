@@ -28,6 +28,7 @@ class _Worker:
     log_path: str
     buf: bytes = b""
     spawned: float = 0.0  # time.monotonic() of its spawn
+    sent: float = 0.0  # time.perf_counter() when its config was sent (0: not yet): it is starting since
 
 
 def kill_group(w: _Worker) -> None:

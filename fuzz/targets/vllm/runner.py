@@ -122,44 +122,89 @@ class VLLMRunner:
     def _cap(self, timeout: float) -> float:
         return timeout if self.deadline is None else max(0.0, min(timeout, self.deadline - time.monotonic()))
 
+    @staticmethod
+    def _send_config(w: _Worker, cfg: EngineConfig, opts: VLLMOptions) -> None:
+        """Give a waiting worker its config: from now on it starts that engine (OSError if it died)."""
+        spec = json.dumps({"model": checkpoint_dir(cfg), "llm_kwargs": llm_kwargs(cfg, opts),
+                           "env": engine_env(cfg, opts)})
+        w.key, w.cell = VLLMRunner.config_key(cfg, opts), cell_name(cfg, opts)
+        w.proc.stdin.write((spec + "\n").encode())
+        w.proc.stdin.flush()
+        w.sent = time.perf_counter()
+
+    def prestart(self, cfg: EngineConfig, opts: VLLMOptions = VLLMOptions()) -> bool:
+        """Start the engine for (cfg, opts) in the spare worker now, while the live engine
+        serves, so that the campaign does not wait for it when it moves on to that config: its
+        `ensure` then waits only for what is left of the start. False when there is nothing to do
+        (that engine is live, or the spare already starts one); the spare is spawned if missing."""
+        key = self.config_key(cfg, opts)
+        if self.is_live(cfg, opts) or (self._spare is not None and self._spare.sent):
+            return False
+        if self._spare is None or self._spare.proc.poll() is not None:
+            if self._spare is not None:
+                self._kill(self._spare)
+            self._spare = self._spawn(cell_name(cfg, opts))
+        try:
+            self._send_config(self._spare, cfg, opts)
+        except OSError:  # it died: the next start spawns another
+            self._kill(self._spare)
+            self._spare = None
+            return False
+        return self._spare.key == key
+
+    def prestarted_s(self, cfg: EngineConfig, opts: VLLMOptions) -> float | None:
+        """Seconds the spare has been starting the engine for (cfg, opts) (None: it is not)."""
+        w = self._spare
+        if w is None or not w.sent or w.key != self.config_key(cfg, opts) or w.proc.poll() is not None:
+            return None
+        return time.perf_counter() - w.sent
+
     def _start(self, cfg: EngineConfig, opts: VLLMOptions) -> _Worker:
+        """The engine for (cfg, opts): the spare's, already starting it (`prestart`) or waiting
+        for a config; a fresh worker where the spare starts another config (kept for that one)."""
         key = self.config_key(cfg, opts)
         cell = cell_name(cfg, opts)
         st = self.stats.setdefault(cell, EngineStats())
         w, self._spare = self._spare, None
-        warm = w is not None and w.proc.poll() is None
+        if w is not None and w.sent and w.key != key:  # pre-started for another config: keep it for that
+            self._spare, w = w, None
+        # A worker given this config ahead is read even if it died: its reply says why.
+        warm = w is not None and (bool(w.sent) or w.proc.poll() is None)
         if not warm:
             if w is not None:
                 self._kill(w)
             w = self._spawn(cell)
-        w.key, w.cell = key, cell
-        env = engine_env(cfg, opts)
-        spec = json.dumps({"model": checkpoint_dir(cfg), "llm_kwargs": llm_kwargs(cfg, opts), "env": env})
+        ahead = 0.0 if not w.sent else time.perf_counter() - w.sent  # started ahead, while another served
         t0 = time.perf_counter()
         st.starts += 1
         try:
-            w.proc.stdin.write((spec + "\n").encode())
-            w.proc.stdin.flush()
-            timeout = self._cap(self.startup_timeout_s)
+            if not w.sent:
+                self._send_config(w, cfg, opts)
+            timeout = self._cap(max(1.0, self.startup_timeout_s - ahead))
             reply = self._read(w, timeout)
         except (EOFError, BrokenPipeError, OSError):
             reply = {"event": "died"}
+        except BaseException:  # a stop raised mid-start (fuzz.stop): the engine starting goes too
+            self._kill(w)
+            raise
         wall = time.perf_counter() - t0
         # Every start is recorded, failed ones too: their time is start-up time as well, and
-        # the shrinker's estimate of what a start costs comes from here.
+        # the shrinker's estimate of what a start costs comes from here. `seconds`: what the
+        # campaign waited; `full_s`: the whole start, the part run ahead (`ahead_s`) included.
         self.starts.append({"cell": cell, "seconds": round(wall, 1), "warm": warm, "kind": list(start_kind(cfg, opts)),
+                            "ahead_s": round(ahead, 1), "full_s": round(ahead + wall, 1),
                             "import_s": round(float((reply or {}).get("import_s", 0.0)), 1),
                             "init_s": round(float((reply or {}).get("startup_s", 0.0)), 1),
                             "ok": bool(reply and reply.get("event") == "ready")})
         st.startup_s += wall
-        if self.spare and (self.deadline is None or time.monotonic() < self.deadline):
+        if self.spare and self._spare is None and (self.deadline is None or time.monotonic() < self.deadline):
             self._spare = self._spawn("spare")  # imports vLLM while this engine is fuzzed (or the next starts)
         if reply is None:
             st.failures += 1
-            if timeout < self.startup_timeout_s and self.deadline is not None and time.monotonic() >= self.deadline:
+            if self.deadline is not None and time.monotonic() >= self.deadline:
                 self._kill(w)
                 raise TargetFailure("deadline", "deadline", "the campaign's time ran out during start-up", w.log_path)
-            raise self._hang("startup", w, f"no reply within {timeout:.0f}s of start-up", "hang@startup")
+            raise self._hang("startup", w, f"no reply within {ahead + timeout:.0f}s of start-up", "hang@startup")
         if reply.get("event") != "ready":
             raise self._ended("startup", w, st, reply, 0)
         self.vllm_version = reply.get("vllm_version")
@@ -307,8 +352,9 @@ class VLLMRunner:
             reply = self._read(w, timeout, idle=self.hang_s)
         except (EOFError, BrokenPipeError, OSError):
             reply = {"event": "died"}
-        except BaseException:
+        except BaseException:  # a stop raised mid-run (fuzz.stop): its engine is in an unknown state
             self._w = None
+            self._kill(w)
             raise
         st.runs += 1
         if reply is None:

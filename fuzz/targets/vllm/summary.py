@@ -41,7 +41,8 @@ def summary_json(s, target) -> dict:
              "unchecked_for_time": target.unchecked,
              "pairs_exercised": _pairs_exercised(cells, target.plan),
              "pairs_excluded": (target.plan or {}).get("pairs_excluded", {}),
-             "known_crashes": target.known_crashes,
+             "known_crashes": target.known_crashes, "known_crash_replay_s": target.known_crash_replay_s,
+             "startup_ahead_s_total": round(sum(x.get("ahead_s", 0.0) for x in starts), 1),
              "configs_not_reached": not_reached(s),
              **({"shard": str(s.shard)} if s.shard is not None else {})}
     return {**_summary_core(s, target, cells), **extra}

@@ -107,6 +107,7 @@ class VLLMTarget(Target):
         self.unchecked, self._unchecked_since_write = 0, 0
         # The known crashes the plan left out, each replayed once: its state (fuzz.cli.vllm).
         self.known_crashes: list[dict] = []
+        self.known_crash_replay_s: float | None = None  # their wall time, beside the campaign
 
     @property
     def checker(self):
@@ -173,7 +174,7 @@ class VLLMTarget(Target):
 
         kind = start_kind(cfg, opts)
         starts = self._checker.runner.starts if self._checker is not None else ()  # none made yet: none measured
-        seen = [s["seconds"] for s in starts if s.get("kind") == list(kind)]
+        seen = [s.get("full_s", s["seconds"]) for s in starts if s.get("kind") == list(kind)]
         if seen:
             return max(seen)
         return startup_cost({"mode": "compiled" if kind[1] else "eager", "dtype": cfg.dtype,
@@ -181,10 +182,23 @@ class VLLMTarget(Target):
                              "core": "process" if kind[2] else "inproc"})
 
     def start_estimate_s(self, cell) -> float:
+        """What the campaign will still wait for `cell`'s engine: nothing when it is live, the
+        estimate less what has run ahead when it is being pre-started."""
         cfg, opts = cell.data.config, VLLMOptions.of(cell.data)
-        if self._checker is not None and self._checker.runner.is_live(cfg, opts):
+        runner = self._checker.runner if self._checker is not None else None
+        if runner is not None and runner.is_live(cfg, opts):
             return 0.0
-        return self.startup_estimate(cfg, opts)
+        ahead = runner.prestarted_s(cfg, opts) if runner is not None else None
+        return max(0.0, self.startup_estimate(cfg, opts) - (ahead or 0.0))
+
+    def prestart(self, cell) -> None:
+        """Start the next cell's engine while this one is fuzzed (VLLMRunner.prestart), if it
+        can be up before the deadline: its start-up then runs beside the examples rather than
+        before them. Both engines share the cores meanwhile."""
+        cfg, opts = cell.data.config, VLLMOptions.of(cell.data)
+        if self.deadline is not None and time.monotonic() + self.startup_estimate(cfg, opts) > self.deadline:
+            return
+        self.checker.runner.prestart(cfg, opts)
 
     def simpler(self, case):
         from engine.config import ConfigError

@@ -223,3 +223,42 @@ def test_sequential_cells_get_equal_time_for_examples_whatever_their_start_costs
     # (check time only: Hypothesis' own per-example time is not in it)
     assert min(fuzz_s.values()) > 0.1 and max(fuzz_s.values()) < 2 * min(fuzz_s.values()), fuzz_s
     assert s.seconds < 3.5, s.seconds
+
+
+def test_a_sequential_campaign_names_the_next_cell_before_fuzzing_the_current() -> None:
+    """`Target.prestart(next cell)` comes right after a cell starts, before its first
+    example, so a target can start the next engine beside this cell's examples; the last cell
+    names none."""
+    from hypothesis import strategies as st
+
+    from fuzz.cases.case import Case, RequestSpec, Workload
+    from fuzz.cases.strategies import FUZZ_MODEL
+    from fuzz.targets.base import Cell, Target
+
+    events: list[str] = []
+
+    class Seq(Target):
+        name, sequential, hypothesis_shrinks, unit = "seq", True, False, "configs"
+
+        def cells(self):
+            def on(n):
+                return lambda k: Case(FUZZ_MODEL, Workload((RequestSpec((k,), 1),)), target="vllm",
+                                      target_options={"cell": n})
+            return [Cell(n, st.integers(1, 50).map(on(n)), on(n)(1)) for n in "abc"]
+
+        def stats_key(self, case):
+            return case.target_options["cell"], ""
+
+        def start(self, cell):
+            events.append(f"start {cell.name}")
+
+        def prestart(self, cell):
+            events.append(f"prestart {cell.name}")
+
+        def check(self, case):
+            if events[-1] != f"check {case.target_options['cell']}":
+                events.append(f"check {case.target_options['cell']}")
+            return SimpleNamespace(logits=SimpleNamespace(ratio=0.0), case=case)
+
+    Campaign(target=Seq(), budget_s=1.5, min_cell_s=0.1, out_dir="/nonexistent", progress=False).run()
+    assert events == ["start a", "prestart b", "check a", "start b", "prestart c", "check b", "start c", "check c"], events

@@ -19,6 +19,7 @@ FAKE = textwrap.dedent('''
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     spec = json.loads(sys.stdin.readline() if sys.argv[1] == "--warm" else sys.argv[1])
     mode = os.environ.get("FAKE_MODE", "ok")
+    time.sleep(float(os.environ.get("FAKE_START_S", "0")))  # an engine's start-up
     if mode == "nostart":
         print("Traceback (most recent call last):", file=sys.stderr)
         print('  File "/x/site-packages/vllm/engine/arg_utils.py", line 1, in create_engine_config', file=sys.stderr)
@@ -64,7 +65,7 @@ def fake(tmp_path, monkeypatch):
     """make(mode, **VLLMRunner kwargs): a VLLMRunner whose worker is FAKE in `mode` (ok: answers
     token 7 always; crash; hang; raise_then_hang: a worker's ERROR traceback, then a hang;
     nostart: a ValueError from vllm/engine/arg_utils.py). Every command the worker reads is
-    appended to $FAKE_LOG."""
+    appended to $FAKE_LOG; a start takes $FAKE_START_S seconds (default 0)."""
     from fuzz.targets.vllm import launch
     from fuzz.targets.vllm.runner import VLLMRunner
 

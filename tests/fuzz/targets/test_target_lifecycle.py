@@ -36,6 +36,49 @@ def test_engine_reused_then_restarted_for_another_config(fake):
         t.close()
 
 
+def test_a_prestarted_engine_is_not_waited_for(fake, monkeypatch):
+    """The next config's engine started while the live one serves (`prestart`): moving on
+    to it waits only for what is left of its start, and the start is recorded whole."""
+    from fuzz.targets.vllm.configs import VLLMOptions
+
+    monkeypatch.setenv("FAKE_START_S", "1.5")
+    t = fake("ok")
+    try:
+        a, b = vc.vllm_case([([1, 2], 3)]), vc.vllm_case([([1], 1)], max_num_seqs=2)
+        t.run(a)
+        assert t.prestart(b.config, VLLMOptions()) and not t.prestart(b.config, VLLMOptions())
+        assert not t.prestart(a.config, VLLMOptions())  # live already
+        time.sleep(1.8)
+        assert t.prestarted_s(b.config, VLLMOptions()) >= 1.5
+        assert t.run(b).results["r0"].token_ids == (7,)
+        first, second = t.starts
+        assert first["seconds"] >= 1.5 and first["ahead_s"] == 0.0, first
+        assert second["seconds"] < 0.5 and second["ahead_s"] >= 1.5 and second["full_s"] >= 1.5, second
+        assert t.stats["tp1pp1-eager-s2"].starts == 1
+    finally:
+        t.close()
+
+
+def test_a_start_for_another_config_keeps_the_prestarted_engine(fake, monkeypatch):
+    """A shrink candidate's config started while the spare pre-starts the next cell's: the
+    candidate gets a fresh worker and the pre-started engine is still there for its own config."""
+    from fuzz.targets.vllm.configs import VLLMOptions
+
+    monkeypatch.setenv("FAKE_START_S", "1.0")
+    t = fake("ok")
+    try:
+        a, b, c = (vc.vllm_case([([1], 1)], max_num_seqs=n) for n in (8, 2, 4))
+        t.run(a)
+        t.prestart(b.config, VLLMOptions())
+        t.run(c)
+        assert t.prestarted_s(b.config, VLLMOptions()) is not None
+        t.run(b)
+        assert [s["cell"] for s in t.starts] == ["tp1pp1-eager", "tp1pp1-eager-s4", "tp1pp1-eager-s2"]
+        assert t.starts[1]["ahead_s"] == 0.0 and t.starts[2]["ahead_s"] >= 1.0, t.starts
+    finally:
+        t.close()
+
+
 def test_crash_signature_from_the_root_traceback_and_restart(fake):
     t = fake("crash")
     case = vc.vllm_case([([1, 2], 3)])

@@ -286,7 +286,7 @@ def test_known_crashes_left_out_are_replayed_and_their_state_reported(fake, writ
     """Each known crash whose configs the plan left out replays its reproducer once: "still
     fails" with its signature, "passes now" when nothing fails, "fails differently" naming the
     other failure; a crash the plan did not leave out is not replayed."""
-    from fuzz.cli.vllm import known_crash_states
+    from fuzz.targets.vllm.replays import known_crash_states
     from fuzz.targets.vllm.known import KnownCrash
     from fuzz.verdict.properties import LogitsMismatch
 
@@ -318,6 +318,46 @@ def test_known_crashes_left_out_are_replayed_and_their_state_reported(fake, writ
     gone = KnownCrash("X@y.py:z", "reproducers/none.json", k.combos)
     plan_gone = {"pairs_excluded": {"p": "known crash none"}}
     assert known_crash_states(Passes(), plan_gone, crashes=[gone], root=str(tmp_path))[0]["state"] == "no reproducer"
+
+
+def _workers_of(script: str) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                if script.encode() in f.read():
+                    out.append(int(d))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def test_replays_beside_the_campaign_are_listed_not_replayed_when_time_runs_out(fake, tmp_path, monkeypatch):
+    """The known crashes replay in a process beside the campaign (fuzz.targets.vllm.replays).
+    One still starting its engine when the campaign's time is up is stopped, with its engines,
+    and listed as not replayed, with why."""
+    import time
+
+    from fuzz.targets.vllm.replays import BackgroundReplays
+
+    monkeypatch.setenv("FAKE_START_S", "120")
+    fake("ok")
+    script = str(tmp_path / "fake_worker.py")
+    replays = BackgroundReplays({"pairs_excluded": {}}, set())  # the workload crash only
+    t0 = time.monotonic()
+    while not _workers_of(script) and time.monotonic() - t0 < 60:
+        time.sleep(0.2)
+    assert _workers_of(script), "the replay process started no engine"
+    t1 = time.monotonic()
+    [row] = replays.result(0.5)
+    assert time.monotonic() - t1 < 20
+    assert row["state"] == "not replayed" and row["detail"] == "the campaign's time ran out", row
+    assert row["reproducer"].endswith("9dd4428c4117.json") and replays.proc.poll() is not None
+    t2 = time.monotonic()
+    while _workers_of(script) and time.monotonic() - t2 < 10:
+        time.sleep(0.2)
+    assert not _workers_of(script), "the replay's engines outlived it"
+    replays.stop()
 
 
 def test_the_summary_names_configs_not_reached_and_pairs_excluded():
