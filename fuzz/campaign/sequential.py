@@ -14,12 +14,17 @@ from fuzz.campaign.summary import CellStats
 
 
 class SequentialVisits:
+    WAIT_SLICE_S = 0.5  # examples while the next cell's engine starts: how often to look whether it is up
+
     def _run_sequential(self) -> None:
         """Each cell once, in order, for an equal share of the examples' time: the time left,
-        less the start-ups of the cells not yet started (`Target.start_estimate_s`), over those
-        cells; at least min(min_cell_s, budget) once started. Counting a start in its cell's
+        less the start-ups still to wait for (`Target.start_estimate_s`), over the cells left;
+        at least min(min_cell_s, budget) once started. Counting a start in its cell's
         share gave the cheap configs planned first a minute of examples and the compiled and
-        multi-worker ones after them, whose starts take most of a share, a few seconds. A cell's
+        multi-worker ones after them, whose starts take most of a share, a few seconds. The next
+        cell's engine starts as soon as this one's is up (`Target.prestart`); where it is not
+        up when this cell's share ends, this cell goes on with examples until it is
+        (`Target.starting`) rather than wait idle. A cell's
         costs are added to its row however it ends (Target.cell_done). A shard's cell keeps its
         place in the whole campaign (`share.positions`) and runs its stream of the chunks: the
         seeds one machine uses."""
@@ -29,19 +34,29 @@ class SequentialVisits:
             now = time.monotonic()
             if now >= self._deadline:
                 return
-            starts = sum(self.target.start_estimate_s(c) for c in self.cells[ci:])
+            # The start-ups the campaign will wait for: this cell's, and the later ones' unless
+            # each starts beside the cell before it (`Target.prestarts`).
+            later = () if self.target.prestarts else self.cells[ci + 1:]
+            starts = sum(self.target.start_estimate_s(c) for c in (cell, *later))
             fuzz_share = max(0.0, self._deadline - now - starts) / (len(self.cells) - ci)
             place = (share.positions or {}).get(cell.name, ci) if share is not None else ci
             row = self.summary.cells.setdefault(self.target.stats_key(cell.data), CellStats())
             try:
                 if not self._start(cell, row):
                     continue
-                if ci + 1 < len(self.cells):  # its start-up runs beside this cell's examples
-                    self.target.prestart(self.cells[ci + 1])
+                nxt = self.cells[ci + 1] if ci + 1 < len(self.cells) else None
+                if nxt is not None:  # its start-up runs beside this cell's examples
+                    self.target.prestart(nxt)
                 started = time.monotonic()
                 end, j = max(min(started + fuzz_share, self._deadline),
                              started + min(self.min_cell_s, self.budget_s)), stream
-                while time.monotonic() < end and not row.stopped:
+                while not row.stopped:
+                    now = time.monotonic()
+                    if now >= end:
+                        # The next engine still starting: the wait goes to this cell's examples.
+                        if nxt is None or now >= self._deadline or not self.target.starting(nxt):
+                            break
+                        end = min(now + self.WAIT_SLICE_S, self._deadline)
                     check_stop()
                     if self._visit(cell, row, place * 1009 + j, end):
                         return

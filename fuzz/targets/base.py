@@ -35,6 +35,7 @@ class Target(abc.ABC):
 
     name = "reference"
     sequential = False  # False: one chunk per cell, round robin; True: each cell for a share of the budget
+    prestarts = False  # True: `prestart` starts the next cell beside this one's examples (no wait for it)
     hypothesis_shrinks = True  # False where each check is too dear to shrink (an engine restart per crash)
     confirm_before_shrink = True  # re-run a failure once before minimizing (a flaky one has nothing to shrink)
     max_shrink_checks = 80
@@ -84,6 +85,11 @@ class Target(abc.ABC):
     def prestart(self, cell: Cell) -> None:
         """A sequential campaign's next cell, named while the current one is fuzzed: a target
         may start its engine now, in the background (vLLM: VLLMRunner.prestart)."""
+
+    def starting(self, cell: Cell) -> bool:
+        """Whether `cell`'s engine is still starting in the background (`prestart`): the
+        campaign goes on fuzzing the current cell meanwhile rather than wait for it."""
+        return False
 
     def triage(self, violation, earlier: list) -> str:
         """'new' (minimize and write it), 'known' (count it, no reproducer) or 'repeat' (a

@@ -97,6 +97,23 @@ def read_reply(w: _Worker, timeout: float, idle: float | None = None, on_stop=No
             w.buf += chunk
 
 
+def answered(w: _Worker) -> bool:
+    """Whether the worker has a reply line waiting (or has closed its stdout), without
+    blocking: what is read is kept in its buffer for `read_reply`."""
+    if b"\n" in w.buf:
+        return True
+    fd = w.proc.stdout.fileno()
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        if not sel.select(timeout=0):
+            return False
+    chunk = os.read(fd, 1 << 20)
+    if not chunk:
+        return True
+    w.buf += chunk
+    return b"\n" in w.buf
+
+
 def dump_stacks(w: _Worker, stacks_dir: str, wait_s: float = 2.0) -> dict[int, str]:
     """Every process of the worker's group dumps its Python stacks (SIGUSR1: faulthandler,
     registered by site/sitecustomize.py): pid -> dump."""

@@ -39,7 +39,7 @@ from fuzz.targets.runs import (RequestResult, TargetFailure, TargetRun, package_
 from fuzz.targets.vllm import launch
 from fuzz.targets.vllm.configs import VLLM_MODEL, VLLMOptions, cell_name
 from fuzz.targets.vllm.launch import checkpoint_dir, engine_env, llm_kwargs, worker_env
-from fuzz.targets.vllm.process import _Worker, dump_stacks, kill_group, read_reply, stop_worker
+from fuzz.targets.vllm.process import _Worker, answered, dump_stacks, kill_group, read_reply, stop_worker
 from fuzz.targets.vllm.stacks import vllm_frames
 
 
@@ -158,6 +158,12 @@ class VLLMRunner:
         if w is None or not w.sent or w.key != self.config_key(cfg, opts) or w.proc.poll() is not None:
             return None
         return time.perf_counter() - w.sent
+
+    def still_starting(self, cfg: EngineConfig, opts: VLLMOptions) -> bool:
+        """Whether the spare is pre-starting the engine for (cfg, opts) and has not answered
+        yet (up or failed), within the start-up bound (past it, `ensure` names the hang)."""
+        ahead = self.prestarted_s(cfg, opts)
+        return ahead is not None and ahead < self.startup_timeout_s and not answered(self._spare)
 
     def _start(self, cfg: EngineConfig, opts: VLLMOptions) -> _Worker:
         """The engine for (cfg, opts): the spare's, already starting it (`prestart`) or waiting

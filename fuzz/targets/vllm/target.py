@@ -81,6 +81,7 @@ class VLLMTarget(Target):
 
     name = "vllm"
     sequential = True
+    prestarts = True
     hypothesis_shrinks = False
     confirm_before_shrink = False  # a crash re-run costs an engine start; the first candidate re-runs anyway
     max_shrink_checks = 60
@@ -199,6 +200,10 @@ class VLLMTarget(Target):
         if self.deadline is not None and time.monotonic() + self.startup_estimate(cfg, opts) > self.deadline:
             return
         self.checker.runner.prestart(cfg, opts)
+
+    def starting(self, cell) -> bool:
+        return self._checker is not None and self._checker.runner.still_starting(cell.data.config,
+                                                                                  VLLMOptions.of(cell.data))
 
     def simpler(self, case):
         from engine.config import ConfigError

@@ -262,3 +262,47 @@ def test_a_sequential_campaign_names_the_next_cell_before_fuzzing_the_current() 
 
     Campaign(target=Seq(), budget_s=1.5, min_cell_s=0.1, out_dir="/nonexistent", progress=False).run()
     assert events == ["start a", "prestart b", "check a", "start b", "prestart c", "check b", "start c", "check c"], events
+
+
+def test_a_cell_goes_on_with_examples_while_the_next_engine_is_still_starting() -> None:
+    """A target that starts the next cell beside the current one (`prestarts`): where the
+    next engine is not up when the current cell's share ends, the current cell goes on with
+    examples until it is (`Target.starting`), rather than the campaign waiting idle."""
+    import time
+
+    from hypothesis import strategies as st
+
+    from fuzz.cases.case import Case, RequestSpec, Workload
+    from fuzz.cases.strategies import FUZZ_MODEL
+    from fuzz.targets.base import Cell, Target
+
+    up_at: dict[str, float] = {}
+    checks: dict[str, list[float]] = {"a": [], "b": []}
+
+    class Ahead(Target):
+        name, sequential, prestarts, hypothesis_shrinks, unit = "ahead", True, True, False, "configs"
+
+        def cells(self):
+            def on(n):
+                return lambda k: Case(FUZZ_MODEL, Workload((RequestSpec((k,), 1),)), target="vllm",
+                                      target_options={"cell": n})
+            return [Cell(n, st.integers(1, 10**6).map(on(n)), on(n)(1)) for n in "ab"]
+
+        def stats_key(self, case):
+            return case.target_options["cell"], ""
+
+        def prestart(self, cell):
+            up_at[cell.name] = time.monotonic() + 2.0  # b takes 2 s to start; a's share is about 1.5 s
+
+        def starting(self, cell):
+            return time.monotonic() < up_at[cell.name]
+
+        def check(self, case):
+            time.sleep(0.01)
+            checks[case.target_options["cell"]].append(time.monotonic())
+            return SimpleNamespace(logits=SimpleNamespace(ratio=0.0), case=case)
+
+    Campaign(target=Ahead(), budget_s=3.0, min_cell_s=0.1, out_dir="/nonexistent", progress=False).run()
+    assert checks["a"] and checks["b"], checks
+    assert max(checks["a"]) >= up_at["b"] - 0.5, (max(checks["a"]) - up_at["b"])  # fuzzed until b was nearly up
+    assert min(checks["b"]) >= up_at["b"] - 0.1

@@ -48,8 +48,9 @@ def test_a_prestarted_engine_is_not_waited_for(fake, monkeypatch):
         t.run(a)
         assert t.prestart(b.config, VLLMOptions()) and not t.prestart(b.config, VLLMOptions())
         assert not t.prestart(a.config, VLLMOptions())  # live already
+        assert t.still_starting(b.config, VLLMOptions()) and not t.still_starting(a.config, VLLMOptions())
         time.sleep(1.8)
-        assert t.prestarted_s(b.config, VLLMOptions()) >= 1.5
+        assert t.prestarted_s(b.config, VLLMOptions()) >= 1.5 and not t.still_starting(b.config, VLLMOptions())
         assert t.run(b).results["r0"].token_ids == (7,)
         first, second = t.starts
         assert first["seconds"] >= 1.5 and first["ahead_s"] == 0.0, first
