@@ -19,7 +19,10 @@ class SequentialVisits:
     def _run_sequential(self) -> None:
         """Each cell once, in order, for an equal share of the examples' time: the time left,
         less the start-ups still to wait for (`Target.start_estimate_s`), over the cells left;
-        at least min(min_cell_s, budget) once started. Counting a start in its cell's
+        at least min(min_cell_s, budget) once started. Where the target starts each cell's
+        engine beside the cell before it (`Target.prestarts`), a cell lasts until the next
+        engine is up, so the share is what makes the cells left, each lasting its share or the
+        next start (`fill_share`), end at the deadline. Counting a start in its cell's
         share gave the cheap configs planned first a minute of examples and the compiled and
         multi-worker ones after them, whose starts take most of a share, a few seconds. The next
         cell's engine starts as soon as this one's is up (`Target.prestart`); where it is not
@@ -34,11 +37,14 @@ class SequentialVisits:
             now = time.monotonic()
             if now >= self._deadline:
                 return
-            # The start-ups the campaign will wait for: this cell's, and the later ones' unless
-            # each starts beside the cell before it (`Target.prestarts`).
-            later = () if self.target.prestarts else self.cells[ci + 1:]
-            starts = sum(self.target.start_estimate_s(c) for c in (cell, *later))
-            fuzz_share = max(0.0, self._deadline - now - starts) / (len(self.cells) - ci)
+            left = self._deadline - now - self.target.start_estimate_s(cell)
+            later = [self.target.start_estimate_s(c) for c in self.cells[ci + 1:]]
+            if self.target.prestarts:
+                # Each later start runs beside the cell before it, which lasts until it is up:
+                # a cell's time is max(share, the next start), and the last has no next.
+                fuzz_share = fill_share(left, later + [0.0])
+            else:
+                fuzz_share = max(0.0, left - sum(later)) / (len(self.cells) - ci)
             place = (share.positions or {}).get(cell.name, ci) if share is not None else ci
             row = self.summary.cells.setdefault(self.target.stats_key(cell.data), CellStats())
             try:
@@ -79,3 +85,15 @@ class SequentialVisits:
             self._finish(v, shrink=False)
             row.stopped = f"engine did not start ({getattr(v, 'signature', v.property)})"
         return False
+
+
+def fill_share(total: float, floors: list[float]) -> float:
+    """The share x with sum(max(x, f) for f in floors) = total: each of the cells left lasts
+    its share or its floor (the next engine's start), whichever is longer. 0 where the floors
+    alone take more than `total`."""
+    fs = sorted(floors)
+    for k in range(len(fs), 0, -1):  # k floors below the share
+        x = (total - sum(fs[k:])) / k
+        if x >= fs[k - 1]:
+            return x
+    return 0.0

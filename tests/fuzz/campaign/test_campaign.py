@@ -306,3 +306,15 @@ def test_a_cell_goes_on_with_examples_while_the_next_engine_is_still_starting() 
     assert checks["a"] and checks["b"], checks
     assert max(checks["a"]) >= up_at["b"] - 0.5, (max(checks["a"]) - up_at["b"])  # fuzzed until b was nearly up
     assert min(checks["b"]) >= up_at["b"] - 0.1
+
+
+def test_the_share_beside_prestarted_engines_ends_the_cells_left_at_the_deadline() -> None:
+    """Each cell lasts its share or the next engine's start, whichever is longer; the share is
+    what makes them add up to the time left (an equal split, 100/3 each, made the first cell
+    wait out a 60 s start and the three overrun 100 s by 27 s)."""
+    from fuzz.campaign.sequential import fill_share
+
+    assert abs(fill_share(100.0, [10.0, 10.0, 0.0]) - 100 / 3) < 1e-9
+    x = fill_share(100.0, [60.0, 10.0, 0.0])
+    assert abs(x - 20.0) < 1e-9 and abs(max(x, 60) + max(x, 10) + max(x, 0) - 100.0) < 1e-9
+    assert fill_share(50.0, [60.0, 10.0, 0.0]) == 0.0  # the starts alone take longer than the time left
