@@ -17,20 +17,18 @@ class SequentialVisits:
     WAIT_SLICE_S = 0.5  # examples while the next cell's engine starts: how often to look whether it is up
 
     def _run_sequential(self) -> None:
-        """Each cell once, in order, for an equal share of the examples' time: the time left,
-        less the start-ups still to wait for (`Target.start_estimate_s`), over the cells left;
-        at least min(min_cell_s, budget) once started. Where the target starts each cell's
-        engine beside the cell before it (`Target.prestarts`), a cell lasts until the next
-        engine is up, so the share is what makes the cells left, each lasting its share or the
-        next start (`fill_share`), end at the deadline. Counting a start in its cell's
-        share gave the cheap configs planned first a minute of examples and the compiled and
-        multi-worker ones after them, whose starts take most of a share, a few seconds. The next
-        cell's engine starts as soon as this one's is up (`Target.prestart`); where it is not
-        up when this cell's share ends, this cell goes on with examples until it is
-        (`Target.starting`) rather than wait idle. A cell's
-        costs are added to its row however it ends (Target.cell_done). A shard's cell keeps its
-        place in the whole campaign (`share.positions`) and runs its stream of the chunks: the
-        seeds one machine uses."""
+        """Each cell once, in order, for an equal share of the examples' time, at least
+        min(min_cell_s, budget) once started. Counting a start in its cell's share gave the
+        cheap configs planned first a minute of examples and the compiled and multi-worker
+        ones after them, whose starts take most of a share, a few seconds; so the share is
+        the time left, less the start-ups still to wait for (`Target.start_estimate_s`), over
+        the cells left. A target that `prestarts` starts the next cell's engine as soon as this
+        one's is up, beside this cell's examples, and this cell goes on with examples until it
+        is (`Target.starting`) rather than wait idle, while there is time to spare for the cells
+        left (`_time_to_spare`): each cell then lasts its share or the next start, whichever is
+        longer, and the share is what makes the cells left end at the deadline (`fill_share`). A cell's costs are added to its row however it ends
+        (Target.cell_done). A shard's cell keeps its place in the whole campaign
+        (`share.positions`) and runs its stream of the chunks: the seeds one machine uses."""
         share = self.share
         stream, streams = (share.stream, share.streams) if share is not None else (0, 1)
         for ci, cell in enumerate(self.cells):
@@ -59,8 +57,11 @@ class SequentialVisits:
                 while not row.stopped:
                     now = time.monotonic()
                     if now >= end:
-                        # The next engine still starting: the wait goes to this cell's examples.
-                        if nxt is None or now >= self._deadline or not self.target.starting(nxt):
+                        # The next engine still starting: the wait goes to this cell's examples
+                        # while the cells left can still all be reached; once they cannot, the
+                        # start has the cores to itself (beside examples, measured: 2-3 x slower).
+                        if nxt is None or now >= self._deadline or not self.target.starting(nxt) \
+                                or not self._time_to_spare(ci, now):
                             break
                         end = min(now + self.WAIT_SLICE_S, self._deadline)
                     check_stop()
@@ -69,6 +70,13 @@ class SequentialVisits:
                     j += streams
             finally:
                 self.target.cell_done(cell, row)
+
+    def _time_to_spare(self, ci: int, now: float) -> bool:
+        """Whether, after the next cell's start (what is left of it) and the later ones, each
+        cell left past this one still gets its least time (`fill_share`)."""
+        left = self._deadline - now - self.target.start_estimate_s(self.cells[ci + 1])
+        later = [self.target.start_estimate_s(c) for c in self.cells[ci + 2:]]
+        return fill_share(left, later + [0.0]) >= min(self.min_cell_s, self.budget_s)
 
     def _start(self, cell: Cell, row: CellStats) -> bool:
         """Start a sequential cell's engine: False when it is refused (unsupported) or fails

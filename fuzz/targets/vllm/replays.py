@@ -97,7 +97,6 @@ class BackgroundReplays:
     def __init__(self, plan: dict, known: set[str]) -> None:
         from fuzz.targets.vllm import launch
 
-        self.plan = plan
         self.rows = pending_rows(plan)
         self.seconds: float | None = None  # the replays' time, once collected (each row's replay_s)
         self.proc = None
@@ -149,6 +148,7 @@ class BackgroundReplays:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        self._log.close()
         try:
             os.unlink(self._spec)
         except OSError:

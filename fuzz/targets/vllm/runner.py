@@ -7,9 +7,10 @@ under a second), in a child process (`worker.py`, run by the Python that has vLL
 `LLMFUZZ_VLLM_PYTHON`, else this one), with vLLM's engine core in that same process
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`: one process fewer to spawn and import vLLM into), or in
 its own where the config says so (`VLLMOptions.engine_core_process`, as vLLM serves). A
-Case whose vLLM config differs from the live engine's shuts it down and starts another
-(one engine at a time: memory and cores are scarce) in the SPARE worker, which imported
-vLLM while the previous config was fuzzed; each start is recorded in `starts`.
+Case whose vLLM config differs from the live engine's shuts it down and starts another in
+the SPARE worker, which imported vLLM while the previous config was fuzzed, or has been
+starting that config's engine since a campaign named it as the next (`prestart`): then two
+engines are up for a while, one serving, one starting. Each start is recorded in `starts`.
 A crash (an exception out of `LLMEngine.step`, a dead worker process) kills the child's
 process group and raises `TargetFailure` keyed by its signature: exception type +
 innermost vLLM frame of the *root* traceback (the first ERROR-level traceback vLLM's
@@ -61,8 +62,9 @@ class EngineStats:
 
 
 class VLLMRunner:
-    """One live vLLM engine at a time, reused across Cases with the same config, and one
-    spare worker with vLLM already imported, waiting for the next config.
+    """One live vLLM engine serving at a time, reused across Cases with the same config, and
+    one spare worker with vLLM already imported, waiting for the next config or starting it
+    (`prestart`).
 
     Time bounds: start-up `startup_timeout_s`; a run `run_timeout_s` + per token, and
     `hang_s` without a step's progress (the worker reports every step): then every process
@@ -137,7 +139,6 @@ class VLLMRunner:
         serves, so that the campaign does not wait for it when it moves on to that config: its
         `ensure` then waits only for what is left of the start. False when there is nothing to do
         (that engine is live, or the spare already starts one); the spare is spawned if missing."""
-        key = self.config_key(cfg, opts)
         if self.is_live(cfg, opts) or (self._spare is not None and self._spare.sent):
             return False
         if self._spare is None or self._spare.proc.poll() is not None:
@@ -150,7 +151,7 @@ class VLLMRunner:
             self._kill(self._spare)
             self._spare = None
             return False
-        return self._spare.key == key
+        return True
 
     def prestarted_s(self, cfg: EngineConfig, opts: VLLMOptions) -> float | None:
         """Seconds the spare has been starting the engine for (cfg, opts) (None: it is not)."""

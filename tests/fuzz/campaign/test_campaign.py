@@ -318,3 +318,48 @@ def test_the_share_beside_prestarted_engines_ends_the_cells_left_at_the_deadline
     x = fill_share(100.0, [60.0, 10.0, 0.0])
     assert abs(x - 20.0) < 1e-9 and abs(max(x, 60) + max(x, 10) + max(x, 0) - 100.0) < 1e-9
     assert fill_share(50.0, [60.0, 10.0, 0.0]) == 0.0  # the starts alone take longer than the time left
+
+
+def test_a_cell_stops_at_its_share_when_the_starts_left_would_not_fit() -> None:
+    """Beside a pre-starting engine a cell's examples slow the start down: where the starts
+    still to come leave no time for the cells after them, the cell ends at its share and the
+    next start has the cores to itself, rather than the cell going on with examples."""
+    import time
+
+    from hypothesis import strategies as st
+
+    from fuzz.cases.case import Case, RequestSpec, Workload
+    from fuzz.cases.strategies import FUZZ_MODEL
+    from fuzz.targets.base import Cell, Target
+
+    up_at: dict[str, float] = {}
+    checks: dict[str, list[float]] = {"a": [], "b": [], "c": []}
+
+    class Behind(Target):
+        name, sequential, prestarts, hypothesis_shrinks, unit = "behind", True, True, False, "configs"
+
+        def cells(self):
+            def on(n):
+                return lambda k: Case(FUZZ_MODEL, Workload((RequestSpec((k,), 1),)), target="vllm",
+                                      target_options={"cell": n})
+            return [Cell(n, st.integers(1, 10**6).map(on(n)), on(n)(1)) for n in "abc"]
+
+        def stats_key(self, case):
+            return case.target_options["cell"], ""
+
+        def start_estimate_s(self, cell):
+            return 60.0 if cell.name == "c" else 0.0  # c's start alone outlasts the budget
+
+        def prestart(self, cell):
+            up_at[cell.name] = time.monotonic() + 1.5
+
+        def starting(self, cell):
+            return time.monotonic() < up_at[cell.name]
+
+        def check(self, case):
+            time.sleep(0.01)
+            checks[case.target_options["cell"]].append(time.monotonic())
+            return SimpleNamespace(logits=SimpleNamespace(ratio=0.0), case=case)
+
+    Campaign(target=Behind(), budget_s=3.0, min_cell_s=0.1, out_dir="/nonexistent", progress=False).run()
+    assert checks["a"] and max(checks["a"]) < up_at["b"] - 1.0, (max(checks["a"]) - up_at["b"])
