@@ -122,11 +122,11 @@ def _cmd_run(args, shard=None) -> int:
 def _campaign(args, configs: list, known: set[str], plan: dict, share=None, replay_known: bool = True):
     """The campaign run to its end; the vLLM engines it started are shut down. Unless
     --include-known, the known crashes whose configs the plan left out replay their
-    reproducers beside it, in a process of their own (fuzz.targets.vllm.replays), within the
+    reproducers beside it, in a process of their own (fuzz.campaign.vllm_replays), within the
     budget, so the summary says whether each still fails (of a sharded campaign, shard 1
     only: `replay_known`)."""
     from fuzz.campaign.loop import Campaign
-    from fuzz.targets.vllm.replays import BackgroundReplays, state_line
+    from fuzz.campaign.vllm_replays import BackgroundReplays, state_line
     from fuzz.targets.vllm.target import HARD_SLACK, VLLMTarget
 
     target = VLLMTarget(configs, known=known, max_requests=args.max_requests,

@@ -286,7 +286,7 @@ def test_known_crashes_left_out_are_replayed_and_their_state_reported(fake, writ
     """Each known crash whose configs the plan left out replays its reproducer once: "still
     fails" with its signature, "passes now" when nothing fails, "fails differently" naming the
     other failure; a crash the plan did not leave out is not replayed."""
-    from fuzz.targets.vllm.replays import known_crash_states
+    from fuzz.campaign.vllm_replays import known_crash_states
     from fuzz.targets.vllm.known import KnownCrash
     from fuzz.verdict.properties import LogitsMismatch
 
@@ -333,12 +333,12 @@ def _workers_of(script: str) -> list[int]:
 
 
 def test_replays_beside_the_campaign_are_listed_not_replayed_when_time_runs_out(fake, tmp_path, monkeypatch):
-    """The known crashes replay in a process beside the campaign (fuzz.targets.vllm.replays).
+    """The known crashes replay in a process beside the campaign (fuzz.campaign.vllm_replays).
     One still starting its engine when the campaign's time is up is stopped, with its engines,
     and listed as not replayed, with why."""
     import time
 
-    from fuzz.targets.vllm.replays import BackgroundReplays
+    from fuzz.campaign.vllm_replays import BackgroundReplays
 
     monkeypatch.setenv("FAKE_START_S", "120")
     fake("ok")

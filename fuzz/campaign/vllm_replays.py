@@ -4,12 +4,12 @@ beside the campaign (`BackgroundReplays`).
 
 Each known crash whose configs the plan leaves out, and each workload crash the cells draw
 around, has its reproducer replayed once per campaign, so the summary says whether it
-still fails. A replay is an engine start (pp2 for the committed ones: 20-40 s on 2 cores)
-and a run: run first, before the campaign, they took 79 s of a 900 s campaign's wall. In a
-process beside it they take no wall time of their own; they share the cores with the first
-cells meanwhile.
+still fails. A replay is an engine start (pp2 for two of the committed ones) and a run: run
+first, before the campaign, they took 53-90 s of a 900 s campaign's wall on 2 cores. In a
+process beside it they take no wall time of their own (133-145 s there, measured); they share
+the cores with the first cells meanwhile.
 
-    python -m fuzz.targets.vllm.replays SPEC.json   ({"plan", "known", "python", "worker"})
+    python -m fuzz.campaign.vllm_replays SPEC.json   ({"plan", "known", "python", "worker"})
     -> stdout: each row with its state, a JSON line each, as soon as it has it
 """
 from __future__ import annotations
@@ -108,7 +108,7 @@ class BackgroundReplays:
             json.dump(spec, f)
         self._spec = f.name
         # A session of its own: a terminal's Ctrl-C reaches the campaign, which stops this.
-        self.proc = subprocess.Popen([sys.executable, "-m", "fuzz.targets.vllm.replays", self._spec],
+        self.proc = subprocess.Popen([sys.executable, "-m", "fuzz.campaign.vllm_replays", self._spec],
                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self._log,
                                      start_new_session=True)
 
