@@ -264,10 +264,10 @@ def test_a_sequential_campaign_names_the_next_cell_before_fuzzing_the_current() 
     assert events == ["start a", "prestart b", "check a", "start b", "prestart c", "check b", "start c", "check c"], events
 
 
-def test_a_cell_goes_on_with_examples_while_the_next_engine_is_still_starting() -> None:
-    """A target that starts the next cell beside the current one (`prestarts`): where the
-    next engine is not up when the current cell's share ends, the current cell goes on with
-    examples until it is (`Target.starting`), rather than the campaign waiting idle."""
+def _prestarting_campaign(names: str, start_s: float, estimates: dict[str, float], budget_s: float):
+    """A campaign on a target that `prestarts`: each cell's engine is up `start_s` after it is
+    pre-started, and `start_estimate_s` says `estimates`. Returns (when each cell was up,
+    each cell's check times)."""
     import time
 
     from hypothesis import strategies as st
@@ -277,22 +277,25 @@ def test_a_cell_goes_on_with_examples_while_the_next_engine_is_still_starting() 
     from fuzz.targets.base import Cell, Target
 
     up_at: dict[str, float] = {}
-    checks: dict[str, list[float]] = {"a": [], "b": []}
+    checks: dict[str, list[float]] = {n: [] for n in names}
 
-    class Ahead(Target):
-        name, sequential, prestarts, hypothesis_shrinks, unit = "ahead", True, True, False, "configs"
+    class Prestarting(Target):
+        name, sequential, prestarts, hypothesis_shrinks, unit = "prestarting", True, True, False, "configs"
 
         def cells(self):
             def on(n):
                 return lambda k: Case(FUZZ_MODEL, Workload((RequestSpec((k,), 1),)), target="vllm",
                                       target_options={"cell": n})
-            return [Cell(n, st.integers(1, 10**6).map(on(n)), on(n)(1)) for n in "ab"]
+            return [Cell(n, st.integers(1, 10**6).map(on(n)), on(n)(1)) for n in names]
 
         def stats_key(self, case):
             return case.target_options["cell"], ""
 
+        def start_estimate_s(self, cell):
+            return estimates.get(cell.name, 0.0)
+
         def prestart(self, cell):
-            up_at[cell.name] = time.monotonic() + 2.0  # b takes 2 s to start; a's share is about 1.5 s
+            up_at[cell.name] = time.monotonic() + start_s
 
         def starting(self, cell):
             return time.monotonic() < up_at[cell.name]
@@ -302,7 +305,15 @@ def test_a_cell_goes_on_with_examples_while_the_next_engine_is_still_starting() 
             checks[case.target_options["cell"]].append(time.monotonic())
             return SimpleNamespace(logits=SimpleNamespace(ratio=0.0), case=case)
 
-    Campaign(target=Ahead(), budget_s=3.0, min_cell_s=0.1, out_dir="/nonexistent", progress=False).run()
+    Campaign(target=Prestarting(), budget_s=budget_s, min_cell_s=0.1, out_dir="/nonexistent", progress=False).run()
+    return up_at, checks
+
+
+def test_a_cell_goes_on_with_examples_while_the_next_engine_is_still_starting() -> None:
+    """A target that starts the next cell beside the current one (`prestarts`): where the
+    next engine is not up when the current cell's share ends, the current cell goes on with
+    examples until it is (`Target.starting`), rather than the campaign waiting idle."""
+    up_at, checks = _prestarting_campaign("ab", 2.0, {}, 3.0)  # b takes 2 s to start; a's share is about 1.5 s
     assert checks["a"] and checks["b"], checks
     assert max(checks["a"]) >= up_at["b"] - 0.5, (max(checks["a"]) - up_at["b"])  # fuzzed until b was nearly up
     assert min(checks["b"]) >= up_at["b"] - 0.1
@@ -324,42 +335,5 @@ def test_a_cell_stops_at_its_share_when_the_starts_left_would_not_fit() -> None:
     """Beside a pre-starting engine a cell's examples slow the start down: where the starts
     still to come leave no time for the cells after them, the cell ends at its share and the
     next start has the cores to itself, rather than the cell going on with examples."""
-    import time
-
-    from hypothesis import strategies as st
-
-    from fuzz.cases.case import Case, RequestSpec, Workload
-    from fuzz.cases.strategies import FUZZ_MODEL
-    from fuzz.targets.base import Cell, Target
-
-    up_at: dict[str, float] = {}
-    checks: dict[str, list[float]] = {"a": [], "b": [], "c": []}
-
-    class Behind(Target):
-        name, sequential, prestarts, hypothesis_shrinks, unit = "behind", True, True, False, "configs"
-
-        def cells(self):
-            def on(n):
-                return lambda k: Case(FUZZ_MODEL, Workload((RequestSpec((k,), 1),)), target="vllm",
-                                      target_options={"cell": n})
-            return [Cell(n, st.integers(1, 10**6).map(on(n)), on(n)(1)) for n in "abc"]
-
-        def stats_key(self, case):
-            return case.target_options["cell"], ""
-
-        def start_estimate_s(self, cell):
-            return 60.0 if cell.name == "c" else 0.0  # c's start alone outlasts the budget
-
-        def prestart(self, cell):
-            up_at[cell.name] = time.monotonic() + 1.5
-
-        def starting(self, cell):
-            return time.monotonic() < up_at[cell.name]
-
-        def check(self, case):
-            time.sleep(0.01)
-            checks[case.target_options["cell"]].append(time.monotonic())
-            return SimpleNamespace(logits=SimpleNamespace(ratio=0.0), case=case)
-
-    Campaign(target=Behind(), budget_s=3.0, min_cell_s=0.1, out_dir="/nonexistent", progress=False).run()
+    up_at, checks = _prestarting_campaign("abc", 1.5, {"c": 60.0}, 3.0)  # c's start alone outlasts the budget
     assert checks["a"] and max(checks["a"]) < up_at["b"] - 1.0, (max(checks["a"]) - up_at["b"])
