@@ -132,7 +132,7 @@ class BackgroundReplays:
         for line in out.decode("utf-8", "replace").splitlines():
             try:
                 states.append(json.loads(line))
-            except ValueError:
+            except ValueError:  # a line cut by the stop, or something else printed: not a state
                 continue
         self.seconds = round(sum(r.get("replay_s", 0.0) for r in states), 1)
         return _stated(self.rows, states, why)
@@ -151,7 +151,7 @@ class BackgroundReplays:
         self._log.close()
         try:
             os.unlink(self._spec)
-        except OSError:
+        except OSError:  # already removed (stop() is called again after result())
             pass
 
 
