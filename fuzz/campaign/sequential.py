@@ -26,23 +26,21 @@ class SequentialVisits:
         one's is up, beside this cell's examples, and this cell goes on with examples until it
         is (`Target.starting`) rather than wait idle, while there is time to spare for the cells
         left (`_time_to_spare`): each cell then lasts its share or the next start, whichever is
-        longer, and the share is what makes the cells left end at the deadline (`fill_share`). A cell's costs are added to its row however it ends
-        (Target.cell_done). A shard's cell keeps its place in the whole campaign
-        (`share.positions`) and runs its stream of the chunks: the seeds one machine uses."""
+        longer, and the share is what makes the cells left end at the deadline (`fill_share`).
+        A cell's costs are added to its row however it ends (Target.cell_done). A shard's cell
+        keeps its place in the whole campaign (`share.positions`) and runs its stream of the
+        chunks: the seeds one machine uses."""
         share = self.share
         stream, streams = (share.stream, share.streams) if share is not None else (0, 1)
         for ci, cell in enumerate(self.cells):
             now = time.monotonic()
             if now >= self._deadline:
                 return
-            left = self._deadline - now - self.target.start_estimate_s(cell)
-            later = [self.target.start_estimate_s(c) for c in self.cells[ci + 1:]]
             if self.target.prestarts:
-                # Each later start runs beside the cell before it, which lasts until it is up:
-                # a cell's time is max(share, the next start), and the last has no next.
-                fuzz_share = fill_share(left, later + [0.0])
+                fuzz_share = self._prestarted_share(ci, now)
             else:
-                fuzz_share = max(0.0, left - sum(later)) / (len(self.cells) - ci)
+                starts = sum(self.target.start_estimate_s(c) for c in self.cells[ci:])
+                fuzz_share = max(0.0, self._deadline - now - starts) / (len(self.cells) - ci)
             place = (share.positions or {}).get(cell.name, ci) if share is not None else ci
             row = self.summary.cells.setdefault(self.target.stats_key(cell.data), CellStats())
             try:
@@ -71,12 +69,17 @@ class SequentialVisits:
             finally:
                 self.target.cell_done(cell, row)
 
+    def _prestarted_share(self, ci: int, now: float) -> float:
+        """Cell `ci`'s share where each later start runs beside the cell before it, which lasts
+        until it is up: after what is left of `ci`'s own start, each cell from `ci` on lasts
+        max(share, the next start), the last max(share, 0), and together they end at the deadline."""
+        left = self._deadline - now - self.target.start_estimate_s(self.cells[ci])
+        return fill_share(left, [self.target.start_estimate_s(c) for c in self.cells[ci + 1:]] + [0.0])
+
     def _time_to_spare(self, ci: int, now: float) -> bool:
         """Whether, after the next cell's start (what is left of it) and the later ones, each
-        cell left past this one still gets its least time (`fill_share`)."""
-        left = self._deadline - now - self.target.start_estimate_s(self.cells[ci + 1])
-        later = [self.target.start_estimate_s(c) for c in self.cells[ci + 2:]]
-        return fill_share(left, later + [0.0]) >= min(self.min_cell_s, self.budget_s)
+        cell left past this one still gets its least time."""
+        return self._prestarted_share(ci + 1, now) >= min(self.min_cell_s, self.budget_s)
 
     def _start(self, cell: Cell, row: CellStats) -> bool:
         """Start a sequential cell's engine: False when it is refused (unsupported) or fails
