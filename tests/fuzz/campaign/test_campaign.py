@@ -182,17 +182,27 @@ def test_each_cell_gets_an_equal_share_of_the_time_not_of_the_examples(monkeypat
     assert n["tp1pp1"] > 2 * n["tp1pp2"], n  # round robin: as many each
 
 
+def _named_cells(names, hi: int = 10**6) -> list:
+    """The cells of a fake sequential target: one per name, drawing one-request Cases told
+    apart by target_options["cell"] (their stats key), the first with prompt (1,)."""
+    from hypothesis import strategies as st
+
+    from fuzz.cases.case import Case, RequestSpec, Workload
+    from fuzz.cases.strategies import FUZZ_MODEL
+    from fuzz.targets.base import Cell
+
+    def on(n):
+        return lambda k: Case(FUZZ_MODEL, Workload((RequestSpec((k,), 1),)), target="vllm", target_options={"cell": n})
+    return [Cell(n, st.integers(1, hi).map(on(n)), on(n)(1)) for n in names]
+
+
 def test_sequential_cells_get_equal_time_for_examples_whatever_their_start_costs() -> None:
     """A sequential target's cells (vLLM: an engine start each) whose starts cost 0, 0.6 and
     1.2 s, known beforehand (`start_estimate_s`): each gets about the same time for examples.
     Counting a start in its cell's share gave 1.0, 0.4 and the 0.1 s floor here."""
     import time
 
-    from hypothesis import strategies as st
-
-    from fuzz.cases.case import Case, RequestSpec, Workload
-    from fuzz.cases.strategies import FUZZ_MODEL
-    from fuzz.targets.base import Cell, Target
+    from fuzz.targets.base import Target
 
     starts = {"a": 0.0, "b": 0.6, "c": 1.2}
 
@@ -200,10 +210,7 @@ def test_sequential_cells_get_equal_time_for_examples_whatever_their_start_costs
         name, sequential, hypothesis_shrinks, unit = "starts", True, False, "configs"
 
         def cells(self):
-            def on(n):
-                return lambda k: Case(FUZZ_MODEL, Workload((RequestSpec((k,), 1),)), target="vllm",
-                                      target_options={"cell": n})
-            return [Cell(n, st.integers(1, 50).map(on(n)), on(n)(1)) for n in starts]
+            return _named_cells(starts, 50)
 
         def stats_key(self, case):
             return case.target_options["cell"], ""
@@ -229,11 +236,7 @@ def test_a_sequential_campaign_names_the_next_cell_before_fuzzing_the_current() 
     """`Target.prestart(next cell)` comes right after a cell starts, before its first
     example, so a target can start the next engine beside this cell's examples; the last cell
     names none."""
-    from hypothesis import strategies as st
-
-    from fuzz.cases.case import Case, RequestSpec, Workload
-    from fuzz.cases.strategies import FUZZ_MODEL
-    from fuzz.targets.base import Cell, Target
+    from fuzz.targets.base import Target
 
     events: list[str] = []
 
@@ -241,10 +244,7 @@ def test_a_sequential_campaign_names_the_next_cell_before_fuzzing_the_current() 
         name, sequential, hypothesis_shrinks, unit = "seq", True, False, "configs"
 
         def cells(self):
-            def on(n):
-                return lambda k: Case(FUZZ_MODEL, Workload((RequestSpec((k,), 1),)), target="vllm",
-                                      target_options={"cell": n})
-            return [Cell(n, st.integers(1, 50).map(on(n)), on(n)(1)) for n in "abc"]
+            return _named_cells("abc", 50)
 
         def stats_key(self, case):
             return case.target_options["cell"], ""
@@ -270,11 +270,7 @@ def _prestarting_campaign(names: str, start_s: float, estimates: dict[str, float
     each cell's check times)."""
     import time
 
-    from hypothesis import strategies as st
-
-    from fuzz.cases.case import Case, RequestSpec, Workload
-    from fuzz.cases.strategies import FUZZ_MODEL
-    from fuzz.targets.base import Cell, Target
+    from fuzz.targets.base import Target
 
     up_at: dict[str, float] = {}
     checks: dict[str, list[float]] = {n: [] for n in names}
@@ -283,10 +279,7 @@ def _prestarting_campaign(names: str, start_s: float, estimates: dict[str, float
         name, sequential, prestarts, hypothesis_shrinks, unit = "prestarting", True, True, False, "configs"
 
         def cells(self):
-            def on(n):
-                return lambda k: Case(FUZZ_MODEL, Workload((RequestSpec((k,), 1),)), target="vllm",
-                                      target_options={"cell": n})
-            return [Cell(n, st.integers(1, 10**6).map(on(n)), on(n)(1)) for n in names]
+            return _named_cells(names)
 
         def stats_key(self, case):
             return case.target_options["cell"], ""
