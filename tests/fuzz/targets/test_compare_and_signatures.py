@@ -105,6 +105,20 @@ def test_case_to_llm_kwargs():
     assert env["VLLM_CPU_KVCACHE_SPACE"] and "VLLM_CPU_OMP_THREADS_BIND" in env
 
 
+def test_vllm_processes_get_one_thread_and_a_short_spin_unless_the_user_says_otherwise(monkeypatch):
+    from fuzz.targets.vllm.configs import VLLM_MODEL
+    from fuzz.targets.vllm.launch import worker_env
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("LLMFUZZ_VLLM_SPIN_S", raising=False)
+    env = worker_env(VLLM_MODEL)
+    assert env["OMP_NUM_THREADS"] == "1" and float(env["LLMFUZZ_VLLM_SPIN_S"]) < 0.1
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    monkeypatch.setenv("LLMFUZZ_VLLM_SPIN_S", "")  # vLLM's own spin
+    env = worker_env(VLLM_MODEL)
+    assert env["OMP_NUM_THREADS"] == "4" and env["LLMFUZZ_VLLM_SPIN_S"] == ""
+
+
 def test_cli_parser_is_light():
     """add_vllm_parser imports neither torch nor vLLM (llmfuzz --help stays fast)."""
     import subprocess

@@ -131,3 +131,22 @@ def test_the_stored_self_drafting_prompts_are_accepted_by_vllm(checker):
                                 num_speculative_tokens=3))
     stats = checker.draft_stats["tp1pp1-eager-ngram3"].to_json()
     assert stats["draft_mismatches"] == 0 and stats["cases"] == stats["cases_accepting_2plus"] == n, stats
+
+
+@pytest.mark.parametrize("spin, want", [("0.02", 0.02), ("", 1.0)])
+def test_the_site_patch_shortens_the_message_queue_spin_of_readers_only(spin, want):
+    """In a process started as the target starts vLLM's (the site directory on PYTHONPATH):
+    a shm message-queue reader spins `LLMFUZZ_VLLM_SPIN_S` seconds after a read, vLLM's 1 s
+    when it is empty; a writer does not spin."""
+    import subprocess
+    import sys
+
+    from fuzz.targets.vllm.launch import worker_env
+
+    code = ("import json, zmq; from vllm.distributed.device_communicators.shm_broadcast import SpinCondition; "
+            "ctx = zmq.Context(); w = SpinCondition(False, ctx, 'inproc://n'); r = SpinCondition(True, ctx, 'inproc://n'); "
+            "print(json.dumps([r.busy_loop_s, w.busy_loop_s]))")
+    env = {**worker_env(VLLM_MODEL), "LLMFUZZ_VLLM_SPIN_S": spin}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [want, 0]

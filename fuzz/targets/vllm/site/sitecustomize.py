@@ -16,6 +16,10 @@ process that never imports vLLM pays nothing.
   drafted from to DIR/<pid>.jsonl; llmfuzz recomputes the drafts from the final tokens
   (fuzz/targets/vllm/drafts.py). vLLM's metrics only count drafts, they cannot tell a
   wrong draft from a rejected one.
+- Spin: `LLMFUZZ_VLLM_SPIN_S=S` makes vLLM's shm message-queue readers (tp/pp ranks, the
+  driver reading their replies) spin S seconds after a read instead of 1 s before they sleep
+  on their socket: on a machine with fewer cores than vLLM has processes, the spinning ranks
+  starve the rest (fuzz.targets.vllm.launch.worker_env sets 0.02).
 - Planted bugs (`LLMFUZZ_VLLM_PLANT`, for the tests that show a property catches them):
   `ngram_offbyone`: the n-gram proposer matches the window that ends one token early;
   `hang_schedule:N`: the N-th `Scheduler.schedule` call sleeps forever in `planted_hang`;
@@ -214,7 +218,24 @@ def _patch_cpu_attention(mod) -> None:
     mod.CPUAttentionBackendImpl.forward = forward
 
 
+def _patch_spin(mod) -> None:
+    """`LLMFUZZ_VLLM_SPIN_S`: how long a shm message-queue reader spins after a read before it
+    waits on its socket (vLLM: 1 s). Timing only: every message is still read in order."""
+    v = os.environ.get("LLMFUZZ_VLLM_SPIN_S")
+    if not v:
+        return
+    orig = mod.SpinCondition.__init__
+
+    def __init__(self, is_reader, context, notify_address, busy_loop_s=1):
+        orig(self, is_reader, context, notify_address, busy_loop_s)
+        if is_reader:
+            self.busy_loop_s = float(v)
+
+    mod.SpinCondition.__init__ = __init__
+
+
 _PATCHES = {"vllm.v1.worker.gpu_model_runner": _patch_runner,
+            "vllm.distributed.device_communicators.shm_broadcast": _patch_spin,
             "vllm.v1.attention.backends.cpu_attn": _patch_cpu_attention,
             "vllm.v1.engine.core": _patch_core,
             "vllm.v1.spec_decode.ngram_proposer": _patch_ngram,
