@@ -29,6 +29,7 @@ import json
 import os
 import subprocess
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 
@@ -94,6 +95,7 @@ class VLLMRunner:
         self.last_drafts: dict = {}  # the last run's n-gram drafts, by request (worker.py)
         self._w: _Worker | None = None
         self._spare: _Worker | None = None
+        self._retiring: list[tuple[threading.Thread, _Worker]] = []  # engines left behind, exiting
         self._n_logs = 0
 
     # -- engine lifecycle -------------------------------------------------------------------
@@ -221,22 +223,30 @@ class VLLMRunner:
     def ensure(self, cfg: EngineConfig, opts: VLLMOptions = VLLMOptions()) -> None:
         key = self.config_key(cfg, opts)
         if self._w is not None and (self._w.key != key or self._w.proc.poll() is not None):
-            self.shutdown()
+            self.shutdown(wait=False)
         if self._w is None:
             self._w = self._start(cfg, opts)
 
     def is_live(self, cfg: EngineConfig, opts: VLLMOptions) -> bool:
         return self._w is not None and self._w.key == self.config_key(cfg, opts) and self._w.proc.poll() is None
 
-    def shutdown(self) -> None:
-        """Stop the live engine: asked to exit, killed (its whole group) after 5 s."""
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop the live engine: asked to exit, killed (its whole group) after 5 s. With
+        `wait=False` (a move to another config) that happens in a thread: vLLM's shut-down
+        takes 3-5 s, which the next engine spends serving (`close` waits for it)."""
         w, self._w = self._w, None
-        if w is not None:
+        if w is None:
+            return
+        if wait:
             stop_worker(w, self._kill)
+            return
+        t = threading.Thread(target=stop_worker, args=(w, self._kill), name=f"llmfuzz-stop-{w.cell}", daemon=True)
+        t.start()
+        self._retiring = [(x, y) for x, y in self._retiring if x.is_alive()] + [(t, w)]
 
     def kill_all(self) -> None:
         """SIGKILL every process group this runner started, now (a stop)."""
-        for w in (self._w, self._spare):
+        for w in (self._w, self._spare, *(w for _, w in self._retiring)):
             if w is not None:
                 self._kill(w)
         self._w = self._spare = None
@@ -248,6 +258,9 @@ class VLLMRunner:
         if self._spare is not None:
             self._kill(self._spare)
             self._spare = None
+        for t, _ in self._retiring:
+            t.join()
+        self._retiring = []
         if self._own_log_dir and not any(s.failures for s in self.stats.values()):
             import shutil
 

@@ -37,6 +37,7 @@ FAKE = textwrap.dedent('''
             with open(os.environ["FAKE_LOG"], "a") as f:
                 f.write(line.strip() + "\\n")
         if cmd.get("cmd") == "exit":
+            time.sleep(float(os.environ.get("FAKE_EXIT_S", "0")))  # an engine's shut-down
             break
         if mode == "hang":
             time.sleep(3600)
@@ -65,7 +66,7 @@ def fake(tmp_path, monkeypatch):
     """make(mode, **VLLMRunner kwargs): a VLLMRunner whose worker is FAKE in `mode` (ok: answers
     token 7 always; crash; hang; raise_then_hang: a worker's ERROR traceback, then a hang;
     nostart: a ValueError from vllm/engine/arg_utils.py). Every command the worker reads is
-    appended to $FAKE_LOG; a start takes $FAKE_START_S seconds (default 0)."""
+    appended to $FAKE_LOG; a start takes $FAKE_START_S seconds, an exit $FAKE_EXIT_S (default 0)."""
     from fuzz.targets.vllm import launch
     from fuzz.targets.vllm.runner import VLLMRunner
 

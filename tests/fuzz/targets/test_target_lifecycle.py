@@ -60,6 +60,23 @@ def test_a_prestarted_engine_is_not_waited_for(fake, monkeypatch):
         t.close()
 
 
+def test_moving_to_another_config_does_not_wait_for_the_old_engine_to_exit(fake, monkeypatch):
+    """The old engine is asked to exit and left to it (vLLM's shut-down takes seconds): the
+    next config's engine serves at once; `close` waits for the exit, and nothing is left."""
+    monkeypatch.setenv("FAKE_EXIT_S", "2.0")
+    t = fake("ok")
+    try:
+        a, b = vc.vllm_case([([1, 2], 3)]), vc.vllm_case([([1], 1)], max_num_seqs=2)
+        t.run(a)
+        old = t._w.proc
+        t0 = time.perf_counter()
+        assert t.run(b).results["r0"].token_ids == (7,)
+        assert time.perf_counter() - t0 < 1.5 and old.poll() is None  # still exiting
+    finally:
+        t.close()
+    assert old.poll() is not None and not _alive(old.pid)
+
+
 def test_a_start_for_another_config_keeps_the_prestarted_engine(fake, monkeypatch):
     """A shrink candidate's config started while the spare pre-starts the next cell's: the
     candidate gets a fresh worker and the pre-started engine is still there for its own config."""
