@@ -35,7 +35,7 @@ from dataclasses import replace
 from fuzz.cases.case import RequestSpec, Workload
 from fuzz.targets.base import Cell, Target, Unsupported
 from fuzz.targets.vllm.configs import VLLMOptions, cell_name
-from fuzz.targets.vllm.launch import engine_env, llm_kwargs
+from fuzz.targets.vllm.launch import engine_env, llm_kwargs, worker_env
 from fuzz.targets.vllm.summary import NOTES, summary_json, summary_table
 
 HARD_SLACK = 0.03  # no engine start or run goes past budget x (1 + this): the 5 % promise, with shut-down
@@ -46,11 +46,12 @@ def reproducer_meta(case, violation, vllm_version: str | None) -> dict:
     environment it ran with, the crash signature; `target` and `vllm_options` at the top
     level too (the reproducer format's vLLM fields, which fuzz.campaign.reproduce reads)."""
     opts = VLLMOptions.of(case)
-    env = engine_env(case.config, opts)
+    env = {**worker_env(case.config), **engine_env(case.config, opts)}
     meta = {"target": "vllm", "vllm_version": vllm_version, "vllm_options": opts.to_dict(),
             "llm_kwargs": llm_kwargs(case.config, opts),
             "env": {k: env[k] for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND",
-                                        "VLLM_ENABLE_V1_MULTIPROCESSING") if k in env}}
+                                        "VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_NUM_THREADS",
+                                        "LLMFUZZ_VLLM_SPIN_S") if k in env}}
     if getattr(violation, "signature", None):
         meta["signature"] = violation.signature
     return meta

@@ -113,6 +113,12 @@ def test_vllm_processes_get_one_thread_and_a_short_spin_unless_the_user_says_oth
     monkeypatch.delenv("LLMFUZZ_VLLM_SPIN_S", raising=False)
     env = worker_env(VLLM_MODEL)
     assert env["OMP_NUM_THREADS"] == "1" and float(env["LLMFUZZ_VLLM_SPIN_S"]) < 0.1
+    from fuzz.targets.vllm.checker import vllm_case
+    from fuzz.targets.vllm.target import reproducer_meta
+
+    meta = reproducer_meta(vllm_case([([1, 2], 3)], layout="tp2pp1"), None, "x")  # what a reproducer says it ran with
+    assert {k: meta["env"][k] for k in ("OMP_NUM_THREADS", "LLMFUZZ_VLLM_SPIN_S")} == {
+        "OMP_NUM_THREADS": "1", "LLMFUZZ_VLLM_SPIN_S": env["LLMFUZZ_VLLM_SPIN_S"]}
     monkeypatch.setenv("OMP_NUM_THREADS", "4")
     monkeypatch.setenv("LLMFUZZ_VLLM_SPIN_S", "")  # vLLM's own spin
     env = worker_env(VLLM_MODEL)
