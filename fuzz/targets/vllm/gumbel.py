@@ -53,6 +53,21 @@ def draw(logits: np.ndarray, seed: int) -> int:
     return int(np.argmax(np.asarray(logits, dtype=np.float64) + noise(seed, len(logits))))
 
 
+def _dropped_contender(raw, exp, scores, floor: float, params, prompt, output, tol: float) -> bool:
+    """Whether a token the oracle's masks drop, but that the target may keep, could win: its
+    score reaches `floor` and, its raw logit raised by the tolerance, a mask keeps it (the
+    allowance the allowed-token check gives: fuzz.targets.sampled.first_disallowed). In bf16
+    a top-k's sixth token 0.02 under the fifth is such a token: the target's rounding may
+    keep it, and its noise may carry it past the oracle's winner."""
+    for t in np.flatnonzero(~(exp.keep | exp.borderline) & (scores >= floor)):
+        up = raw.copy()
+        up[t] += tol
+        e = expected_distribution(up, params, prompt, output)
+        if e.keep[t] or e.borderline[t]:
+            return True
+    return False
+
+
 def check_draws(spec, rows, tokens: list[int], tol: float, min_tokens_masks=()) -> tuple[tuple[int, str] | None, int, int]:
     """(first wrong draw as (position, why) or None, positions checked, near ties) of a seeded
     random request whose tokens vLLM sampled, on the oracle's raw logits `rows`."""
@@ -62,12 +77,14 @@ def check_draws(spec, rows, tokens: list[int], tol: float, min_tokens_masks=()) 
     margin = 2.0 * tol * max(r, 1.0 / r) / params.temperature
     checked = ties = 0
     for i, (row, seed) in enumerate(zip(rows, step_seeds(params.seed, len(tokens)))):
-        exp = expected_distribution(row.double().numpy(), params, prompt, tokens[:i])
+        raw = row.double().numpy()
+        exp = expected_distribution(raw, params, prompt, tokens[:i])
         scores = exp.z + noise(seed, exp.z.size)
         maybe = exp.keep | exp.borderline  # a threshold's token kept by one engine, not the other
         ranked = np.argsort(-np.where(maybe, scores, -np.inf), kind="stable")
         best, second = int(ranked[0]), int(ranked[1]) if maybe.sum() > 1 else None
-        if not exp.keep[best] or exp.borderline[best] or (second is not None and scores[best] - scores[second] <= margin):
+        if not exp.keep[best] or exp.borderline[best] or (second is not None and scores[best] - scores[second] <= margin) \
+                or _dropped_contender(raw, exp, scores, scores[best] - margin, params, prompt, tokens[:i], tol):
             ties += 1
             continue
         checked += 1

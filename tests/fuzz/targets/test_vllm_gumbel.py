@@ -94,6 +94,30 @@ def test_the_processed_logits_are_drawn_from() -> None:
     assert unmasked != tokens and check_draws(spec, rows, unmasked, 1e-5)[0] is not None
 
 
+def test_a_token_the_target_may_keep_at_a_masks_threshold_is_a_near_tie_not_a_failure() -> None:
+    """Found by a bf16 campaign (top-k 5, temperature 2): the sixth token, 0.017 under the fifth
+    in the oracle's logits, kept by vLLM's rounding, won the draw. Within the tolerance it is a
+    near tie; with a tolerance under the gap, the same draw is a failure."""
+    spec = RequestSpec((1,), 1, sampling=SamplingParams(temperature=2.0, top_k=5, seed=20326))
+    seed = step_seeds(20326, 1)[0]
+    z = noise(seed, 16)
+    order = np.argsort(-z)  # token order[0] has the most noise: put it sixth
+    row = torch.zeros(16, dtype=torch.float64)
+    for rank, t in enumerate(list(order[1:6]) + [order[0]] + list(order[6:])):
+        row[t] = 3.0 - 0.1 * rank
+    row[order[0]] = row[order[5]] - 0.017
+    sixth = int(order[0])
+    kept = row.clone()
+    kept[sixth] += 0.05  # the target's rounding puts it in the top 5
+    zz = kept.numpy() / 2.0
+    zz[np.argsort(-zz)[5:]] = -np.inf
+    assert draw(zz, seed) == sixth
+    bad, checked, ties = check_draws(spec, [row.float()], [sixth], 0.17)
+    assert bad is None and (checked, ties) == (0, 1)
+    bad, _, _ = check_draws(spec, [row.float()], [sixth], 1e-3)
+    assert bad is not None and f"vLLM drew token {sixth}" in bad[1]
+
+
 @pytest.mark.parametrize("temperature", [0.5, 2.0])
 def test_temperature_scales_the_logits_drawn_from(temperature) -> None:
     spec = RequestSpec((1,), 6, sampling=SamplingParams(temperature=temperature, seed=9))
