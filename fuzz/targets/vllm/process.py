@@ -56,7 +56,7 @@ def stop_worker(w: _Worker, kill=kill_group) -> None:
             w.proc.stdin.write(b'{"cmd": "exit"}\n')
             w.proc.stdin.flush()
             w.proc.wait(timeout=5)
-    except (OSError, subprocess.TimeoutExpired):
+    except (OSError, ValueError, subprocess.TimeoutExpired):  # ValueError: a stop closed its stdin meanwhile
         pass
     kill(w)
 
