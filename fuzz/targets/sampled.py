@@ -52,9 +52,7 @@ def first_disallowed(spec, rows, tokens: list[int], tol: float, min_tokens_masks
     the model's EOS, even with ignore_eos)."""
     params, prompt = masked_under_min_tokens(spec.sampling, min_tokens_masks), list(spec.prompt_token_ids)
     for i, (row, tok) in enumerate(zip(rows, tokens)):
-        raw = row.double().numpy().copy()
-        raw[tok] += tol
-        exp = expected_distribution(raw, params, prompt, tokens[:i])
+        exp = raised(row.double().numpy(), tok, tol, params, prompt, tokens[:i])
         if not (exp.keep[tok] or exp.borderline[tok]):
             return i, f"which {exp.masked_by.get(tok, 'the params')} excludes"
         if exp.greedy:
@@ -63,6 +61,14 @@ def first_disallowed(spec, rows, tokens: list[int], tol: float, min_tokens_masks
                 return i, (f"not the argmax of the processed logits ({int(np.argmax(np.where(exp.keep, exp.z, -np.inf)))}"
                            f" leads by {best - exp.z[tok]:.3g} beyond the tolerance)")
     return None
+
+
+def raised(raw: np.ndarray, tok: int, tol: float, params, prompt: list[int], output: list[int]):
+    """The expected distribution with token `tok`'s raw logit raised by `tol`: the allowance a
+    target's token gets, so that another engine's rounding at a mask's threshold is no failure."""
+    up = raw.copy()
+    up[tok] += tol
+    return expected_distribution(up, params, prompt, output)
 
 
 def masked_under_min_tokens(params, min_tokens_masks=()):

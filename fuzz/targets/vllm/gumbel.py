@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fuzz.targets.sampled import masked_under_min_tokens
+from fuzz.targets.sampled import masked_under_min_tokens, raised
 from fuzz.verdict.oracles.sampling import expected_distribution
 
 GAMMA = np.uint64(0x9E3779B97F4A7C15)
@@ -56,13 +56,11 @@ def draw(logits: np.ndarray, seed: int) -> int:
 def _dropped_contender(raw, exp, scores, floor: float, params, prompt, output, tol: float) -> bool:
     """Whether a token the oracle's masks drop, but that the target may keep, could win: its
     score reaches `floor` and, its raw logit raised by the tolerance, a mask keeps it (the
-    allowance the allowed-token check gives: fuzz.targets.sampled.first_disallowed). In bf16
+    allowance the allowed-token check gives: fuzz.targets.sampled.raised). In bf16
     a top-k's sixth token 0.02 under the fifth is such a token: the target's rounding may
     keep it, and its noise may carry it past the oracle's winner."""
     for t in np.flatnonzero(~(exp.keep | exp.borderline) & (scores >= floor)):
-        up = raw.copy()
-        up[t] += tol
-        e = expected_distribution(up, params, prompt, output)
+        e = raised(raw, int(t), tol, params, prompt, output)
         if e.keep[t] or e.borderline[t]:
             return True
     return False

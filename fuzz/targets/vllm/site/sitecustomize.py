@@ -226,9 +226,9 @@ def _patch_spin(mod) -> None:
         return
     orig = mod.SpinCondition.__init__
 
-    def __init__(self, is_reader, context, notify_address, busy_loop_s=1):
-        orig(self, is_reader, context, notify_address, busy_loop_s)
-        if is_reader:
+    def __init__(self, *a, **kw):
+        orig(self, *a, **kw)
+        if self.is_reader:
             self.busy_loop_s = float(v)
 
     mod.SpinCondition.__init__ = __init__
