@@ -15,6 +15,7 @@ from fuzz.campaign.summary import CellStats
 
 class SequentialVisits:
     WAIT_SLICE_S = 0.5  # examples while the next cell's engine starts: how often to look whether it is up
+    STRETCH = 1.5  # the most a cell short of `Target.min_cell_examples` may run past its share, as a multiple of it
 
     def _run_sequential(self) -> None:
         """Each cell once, in order, for an equal share of the examples' time, at least
@@ -27,6 +28,9 @@ class SequentialVisits:
         is (`Target.starting`) rather than wait idle, while there is time to spare for the cells
         left (`_time_to_spare`): each cell then lasts its share or the next start, whichever is
         longer, and the share is what makes the cells left end at the deadline (`fill_share`).
+        Equal time is not equal depth (a config's examples cost 1-5 s): a cell whose share ends
+        short of the target's `min_cell_examples` goes on, up to STRETCH x its share, on the same
+        condition of time to spare; the cells after it share what is left.
         A cell's costs are added to its row however it ends (Target.cell_done). A shard's cell
         keeps its place in the whole campaign (`share.positions`) and runs its stream of the
         chunks: the seeds one machine uses."""
@@ -55,10 +59,13 @@ class SequentialVisits:
                 while not row.stopped:
                     now = time.monotonic()
                     if now >= end:
-                        # The next engine still starting: the wait goes to this cell's examples
-                        # while the cells left can still all be reached; once they cannot, the
-                        # start has the cores to itself (beside examples, measured: 2-3 x slower).
-                        if nxt is None or now >= self._deadline or not self.target.starting(nxt) \
+                        # The next engine still starting, or this cell short of examples: the
+                        # time goes to this cell's examples while the cells left can still all be
+                        # reached; once they cannot, a start has the cores to itself (beside
+                        # examples, measured: 2-3 x slower).
+                        short = row.examples < self.target.min_cell_examples \
+                            and now < started + self.STRETCH * fuzz_share
+                        if nxt is None or now >= self._deadline or not (short or self.target.starting(nxt)) \
                                 or not self._time_to_spare(ci, now):
                             break
                         end = min(now + self.WAIT_SLICE_S, self._deadline)

@@ -42,6 +42,9 @@ class Target(abc.ABC):
     unit = "layouts"  # what the progress line counts the cells as
     chunk = 8  # examples a Hypothesis run draws on a cell (the most: short budgets take fewer)
     min_cell_s = 60.0  # a sequential cell's least time once started, whatever its share
+    # A sequential cell whose share ran out with fewer checked examples than this goes on, up
+    # to STRETCH x its share, while the cells left keep their least time (0: time alone decides).
+    min_cell_examples = 0
 
     def shrink_per_failure_s(self, budget_s: float) -> float | None:
         """Seconds to minimize each failure while finding (None: up to the end of finding)."""

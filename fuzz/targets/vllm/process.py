@@ -29,6 +29,7 @@ class _Worker:
     buf: bytes = b""
     spawned: float = 0.0  # time.monotonic() of its spawn
     sent: float = 0.0  # time.perf_counter() when its config was sent (0: not yet): it is starting since
+    sent_at: float = 0.0  # the same moment by the wall clock, which the worker's `ready_at` is read against
 
 
 def kill_group(w: _Worker) -> None:

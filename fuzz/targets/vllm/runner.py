@@ -134,7 +134,7 @@ class VLLMRunner:
         w.key, w.cell = VLLMRunner.config_key(cfg, opts), cell_name(cfg, opts)
         w.proc.stdin.write((spec + "\n").encode())
         w.proc.stdin.flush()
-        w.sent = time.perf_counter()
+        w.sent, w.sent_at = time.perf_counter(), time.time()
 
     def prestart(self, cfg: EngineConfig, opts: VLLMOptions = VLLMOptions()) -> bool:
         """Start the engine for (cfg, opts) in the spare worker now, while the live engine
@@ -198,10 +198,17 @@ class VLLMRunner:
             raise
         wall = time.perf_counter() - t0
         # Every start is recorded, failed ones too: their time is start-up time as well, and
-        # the shrinker's estimate of what a start costs comes from here. `seconds`: what the
-        # campaign waited; `full_s`: the whole start, the part run ahead (`ahead_s`) included.
+        # the campaign's and the shrinker's estimates of what a start costs come from here.
+        # `seconds`: what the campaign waited; `ahead_s`: how long before that it was sent;
+        # `full_s`: how long the start took, config sent to engine up. A start run ahead is
+        # often up long before the campaign reads it, so `full_s` is timed by the worker's
+        # `ready_at` (counting `ahead_s` + `seconds` made every start as long as the cell before
+        # it, ~70 s for a 4 s start under load, and the estimates with it).
+        full = ahead + wall
+        if reply and reply.get("ready_at") and w.sent_at:
+            full = min(full, max(0.0, float(reply["ready_at"]) - w.sent_at))
         self.starts.append({"cell": cell, "seconds": round(wall, 1), "warm": warm, "kind": list(start_kind(cfg, opts)),
-                            "ahead_s": round(ahead, 1), "full_s": round(ahead + wall, 1),
+                            "ahead_s": round(ahead, 1), "full_s": round(full, 1),
                             "import_s": round(float((reply or {}).get("import_s", 0.0)), 1),
                             "init_s": round(float((reply or {}).get("startup_s", 0.0)), 1),
                             "ok": bool(reply and reply.get("event") == "ready")})

@@ -192,7 +192,9 @@ def main() -> int:
         reply(_error(e))
         return 3
     # vllm_file: which vLLM tree this process imported (llmfuzz mutate checks it is the mutant's copy).
-    reply({"event": "ready", "startup_s": time.perf_counter() - t0, "import_s": import_s,
+    # ready_at: the wall clock, so that a start run ahead is timed to when it was up, not to
+    # when the campaign came to read it.
+    reply({"event": "ready", "startup_s": time.perf_counter() - t0, "import_s": import_s, "ready_at": time.time(),
            "vllm_version": vllm.__version__, "vllm_file": vllm.__file__})
     for line in sys.stdin:
         if not line.strip():

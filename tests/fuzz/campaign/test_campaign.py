@@ -330,3 +330,47 @@ def test_a_cell_stops_at_its_share_when_the_starts_left_would_not_fit() -> None:
     next start has the cores to itself, rather than the cell going on with examples."""
     up_at, checks = _prestarting_campaign("abc", 1.5, {"c": 60.0}, 3.0)  # c's start alone outlasts the budget
     assert checks["a"] and max(checks["a"]) < up_at["b"] - 1.0, (max(checks["a"]) - up_at["b"])
+
+
+def _slow_first_cell(check_s: float, budget_s: float) -> dict[str, list[float]]:
+    """Cells a and b of a sequential target that wants 10 examples a cell; a's examples take
+    `check_s`, b's 10 ms. Returns each cell's check times."""
+    import time
+
+    from fuzz.targets.base import Target
+
+    checks: dict[str, list[float]] = {"a": [], "b": []}
+
+    class SlowFirst(Target):
+        name, sequential, hypothesis_shrinks, unit = "slow-first", True, False, "configs"
+        min_cell_examples = 10
+
+        def cells(self):
+            return _named_cells("ab")
+
+        def stats_key(self, case):
+            return case.target_options["cell"], ""
+
+        def check(self, case):
+            n = case.target_options["cell"]
+            time.sleep(check_s if n == "a" else 0.01)
+            checks[n].append(time.monotonic())
+            return SimpleNamespace(logits=SimpleNamespace(ratio=0.0), case=case)
+
+    Campaign(target=SlowFirst(), budget_s=budget_s, min_cell_s=0.1, out_dir="/nonexistent", progress=False).run()
+    return checks
+
+
+def test_a_cell_short_of_its_least_examples_goes_on_past_its_share() -> None:
+    """Equal time is not equal depth: a cell whose share (1.5 s of 3) ends with fewer checked
+    examples than the target's `min_cell_examples` goes on until it has them, and the cell
+    after it shares what is left; but never past STRETCH x its share, so one cell of very slow
+    examples cannot eat the next one's time."""
+    from fuzz.campaign.sequential import SequentialVisits
+
+    checks = _slow_first_cell(0.2, 3.0)  # 10 examples take ~2 s: 7 fit in the share, 10 in the stretch
+    assert len(checks["a"]) >= 10 and checks["b"], {k: len(v) for k, v in checks.items()}
+    checks = _slow_first_cell(0.6, 3.0)  # 10 would take 6 s: a stops at 1.5 x its share
+    a, b = checks["a"], checks["b"]
+    assert len(a) < 10 and b, {k: len(v) for k, v in checks.items()}
+    assert min(b) - min(a) < SequentialVisits.STRETCH * 1.5 + 0.8, min(b) - min(a)

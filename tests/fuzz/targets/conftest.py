@@ -30,7 +30,7 @@ FAKE = textwrap.dedent('''
             {"file": "/x/site-packages/vllm/v1/executor/multiproc_executor.py", "line": 1, "func": "_init_executor"}]})
             + "\\n")
         sys.exit(3)
-    proto.write(json.dumps({"event": "ready", "startup_s": 0.0, "vllm_version": "fake"}) + "\\n")
+    proto.write(json.dumps({"event": "ready", "startup_s": 0.0, "ready_at": time.time(), "vllm_version": "fake"}) + "\\n")
     for line in sys.stdin:
         cmd = json.loads(line)
         if os.environ.get("FAKE_LOG"):  # what the runner sent, for tests of the protocol

@@ -38,7 +38,8 @@ def test_engine_reused_then_restarted_for_another_config(fake):
 
 def test_a_prestarted_engine_is_not_waited_for(fake, monkeypatch):
     """The next config's engine started while the live one serves (`prestart`): moving on
-    to it waits only for what is left of its start, and the start is recorded whole."""
+    to it waits only for what is left of its start, and the start is recorded whole: as
+    long as it took to come up, not as long as the campaign took to move on to it."""
     from fuzz.targets.vllm.configs import VLLMOptions
 
     monkeypatch.setenv("FAKE_START_S", "1.5")
@@ -49,12 +50,12 @@ def test_a_prestarted_engine_is_not_waited_for(fake, monkeypatch):
         assert t.prestart(b.config, VLLMOptions()) and not t.prestart(b.config, VLLMOptions())
         assert not t.prestart(a.config, VLLMOptions())  # live already
         assert t.still_starting(b.config, VLLMOptions()) and not t.still_starting(a.config, VLLMOptions())
-        time.sleep(1.8)
-        assert t.prestarted_s(b.config, VLLMOptions()) >= 1.5 and not t.still_starting(b.config, VLLMOptions())
+        time.sleep(3.0)
+        assert t.prestarted_s(b.config, VLLMOptions()) >= 3.0 and not t.still_starting(b.config, VLLMOptions())
         assert t.run(b).results["r0"].token_ids == (7,)
         first, second = t.starts
         assert first["seconds"] >= 1.5 and first["ahead_s"] == 0.0, first
-        assert second["seconds"] < 0.5 and second["ahead_s"] >= 1.5 and second["full_s"] >= 1.5, second
+        assert second["seconds"] < 0.5 and second["ahead_s"] >= 3.0 and 1.5 <= second["full_s"] < 2.5, second
         assert t.stats["tp1pp1-eager-s2"].starts == 1
     finally:
         t.close()
