@@ -29,6 +29,7 @@ fuzz.campaign.reproduce need to fuzz a real vLLM (docs/vllm.md).
 """
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import replace
 
@@ -38,6 +39,7 @@ from fuzz.targets.vllm.configs import VLLMOptions, cell_name
 from fuzz.targets.vllm.launch import engine_env, llm_kwargs, worker_env
 from fuzz.targets.vllm.summary import NOTES, summary_json, summary_table
 
+SLOWDOWN_CAP = 2.0  # the most an unseen kind's start is expected to exceed the plan's figure (startup_estimate)
 HARD_SLACK = 0.03  # no engine start or run goes past budget x (1 + this): the 5 % promise, with shut-down
 
 
@@ -181,9 +183,12 @@ class VLLMTarget(Target):
     def startup_estimate(self, cfg, opts: VLLMOptions = VLLMOptions()) -> float:
         """Seconds an engine start for `cfg` will take: the longest measured so far for its
         kind (workers x compiled x the core's process), else the plan's estimate (measured
-        on a quiet machine) scaled by how much slower than theirs the starts so far have been.
-        Under load the plan's figures were 1.4-2.3x short for the multi-process kinds, and a
-        start longer than planned is taken out of the last config's time."""
+        on a quiet machine) scaled by how much slower than theirs the starts so far have been:
+        the median over the starts of pre-imported workers, within [1, SLOWDOWN_CAP]. Under
+        load the plan's figures were 1.4-2.3x short for the multi-process kinds, and a start
+        longer than planned is taken out of the last config's time; but an estimate too long
+        starves every config (the starts left seem not to fit, and each gets its least time):
+        a fresh machine's first start, vLLM's imports compiled on the way, ran 10x the plan."""
         from fuzz.targets.vllm.runner import start_kind
 
         kind = start_kind(cfg, opts)
@@ -192,8 +197,8 @@ class VLLMTarget(Target):
         if seen:
             return max(seen)
         # init_s: the start less vLLM's import, which is what the plan's figures count.
-        slower = [s["init_s"] / _planned_s(s["kind"]) for s in starts if s.get("ok") and s.get("init_s")]
-        return _planned_s(kind) * max([1.0] + slower)
+        slower = [s["init_s"] / _planned_s(s["kind"]) for s in starts if s.get("ok") and s.get("warm") and s.get("init_s")]
+        return _planned_s(kind) * min(SLOWDOWN_CAP, max(1.0, statistics.median(slower) if slower else 1.0))
 
     def start_estimate_s(self, cell) -> float:
         """What the campaign will still wait for `cell`'s engine: nothing when it is live, the

@@ -157,29 +157,40 @@ def test_same_signature_in_another_cell_is_counted_not_written_again():
 
 def test_start_estimates_learn_from_the_starts_measured_so_far():
     """A kind already started is estimated at its longest measured start; a kind not yet
-    started at the plan's figure, scaled by the largest slowdown against the plan seen so far
-    (never below the plan): under load the multi-process starts ran 1.4-2.3x the plan's."""
+    started at the plan's figure times the median slowdown against the plan of the
+    pre-imported starts so far, within [1, SLOWDOWN_CAP]: under load the multi-process starts
+    ran 1.4-2.3x the plan's, while a fresh machine's cold first start ran 10x, and one long
+    estimate starves every config."""
     from types import SimpleNamespace
 
     from fuzz.targets.vllm.checker import vllm_case
     from fuzz.targets.vllm.covering import startup_cost
-    from fuzz.targets.vllm.target import VLLMTarget
+    from fuzz.targets.vllm.target import SLOWDOWN_CAP, VLLMTarget
 
     runner = SimpleNamespace(starts=[])
     t = VLLMTarget([], checker=SimpleNamespace(runner=runner))
     tp1, tp2 = vllm_case([([1], 1)]).config, vllm_case([([1], 1)], layout="tp2pp1").config
     plan_tp1 = startup_cost({"mode": "eager", "layout": "tp1pp1"})
     plan_tp2 = startup_cost({"mode": "eager", "layout": "tp2pp1"})
+    plan_core = startup_cost({"mode": "eager", "layout": "tp1pp1", "core": "process"})
+
+    def started(kind, init_s, warm=True, full_s=None):
+        runner.starts.append({"seconds": 0.0, "kind": kind, "full_s": full_s or init_s, "init_s": init_s,
+                              "ok": True, "warm": warm})
+
     assert t.startup_estimate(tp1) == plan_tp1 and t.startup_estimate(tp2) == plan_tp2
-    # A fast tp1 start (under the plan) does not make the other kinds look faster.
-    runner.starts.append({"seconds": 0.0, "kind": [1, False, False], "full_s": 3.0, "init_s": 3.0, "ok": True})
-    assert t.startup_estimate(tp1) == 3.0 and t.startup_estimate(tp2) == plan_tp2
-    # A core-process start twice the plan's: the kinds not started yet are expected twice theirs.
-    runner.starts.append({"seconds": 0.0, "kind": [1, False, True], "full_s": 40.0, "init_s": 2 * startup_cost(
-        {"mode": "eager", "layout": "tp1pp1", "core": "process"}), "ok": True})
-    assert t.startup_estimate(tp2) == pytest.approx(2 * plan_tp2) and t.startup_estimate(tp1) == 3.0
-    runner.starts.append({"seconds": 0.0, "kind": [2, False, False], "full_s": 50.0, "init_s": 47.0, "ok": True})
-    assert t.startup_estimate(tp2) == 50.0
+    started([1, False, False], 10 * plan_tp1, warm=False)  # a cold first start: its own kind only
+    assert t.startup_estimate(tp1) == 10 * plan_tp1 and t.startup_estimate(tp2) == plan_tp2
+    started([1, False, False], 0.5 * plan_tp1)  # faster than planned: the others are not expected faster
+    assert t.startup_estimate(tp2) == plan_tp2
+    started([1, False, True], 1.8 * plan_core)
+    started([1, False, True], 1.6 * plan_core)  # slowdowns 0.5, 1.8, 1.6: the median
+    assert t.startup_estimate(tp2) == pytest.approx(1.6 * plan_tp2)
+    for _ in range(3):
+        started([1, False, True], 5 * plan_core)
+    assert t.startup_estimate(tp2) == pytest.approx(SLOWDOWN_CAP * plan_tp2)
+    started([2, False, False], 47.0)
+    assert t.startup_estimate(tp2) == 47.0
 
 
 # -- hang signatures from faulthandler dumps ---------------------------------------------------
