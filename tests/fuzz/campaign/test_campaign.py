@@ -373,4 +373,5 @@ def test_a_cell_short_of_its_least_examples_goes_on_past_its_share() -> None:
     checks = _slow_first_cell(0.6, 3.0)  # 10 would take 6 s: a stops at 1.5 x its share
     a, b = checks["a"], checks["b"]
     assert len(a) < 10 and b, {k: len(v) for k, v in checks.items()}
-    assert min(b) - min(a) < SequentialVisits.STRETCH * 1.5 + 0.8, min(b) - min(a)
+    # a's last slice and example may run past the stretch (0.5 s + 0.6 s); 10 examples would take 6 s
+    assert min(b) - min(a) < SequentialVisits.STRETCH * 1.5 + 1.5, min(b) - min(a)
