@@ -193,7 +193,7 @@ class VLLMTarget(Target):
 
         kind = start_kind(cfg, opts)
         starts = self._checker.runner.starts if self._checker is not None else ()  # none made yet: none measured
-        seen = [s.get("full_s", s["seconds"]) for s in starts if s.get("kind") == list(kind)]
+        seen = [s["full_s"] for s in starts if s.get("kind") == list(kind)]
         if seen:
             return max(seen)
         # init_s: the start less vLLM's import, which is what the plan's figures count.

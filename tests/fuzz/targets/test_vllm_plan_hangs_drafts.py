@@ -175,7 +175,7 @@ def test_start_estimates_learn_from_the_starts_measured_so_far():
     plan_core = startup_cost({"mode": "eager", "layout": "tp1pp1", "core": "process"})
 
     def started(kind, init_s, warm=True, full_s=None):
-        runner.starts.append({"seconds": 0.0, "kind": kind, "full_s": full_s or init_s, "init_s": init_s,
+        runner.starts.append({"kind": kind, "full_s": full_s or init_s, "init_s": init_s,
                               "ok": True, "warm": warm})
 
     assert t.startup_estimate(tp1) == plan_tp1 and t.startup_estimate(tp2) == plan_tp2
