@@ -21,7 +21,7 @@ from fuzz.campaign.recorder import Claims
 from fuzz.campaign.summary import summary_doc
 
 # Parent arguments a worker does not take as they are: it runs in-process on its own share.
-NOT_PASSED = ("fn", "jobs", "worker_plan", "layouts", "json", "quiet", "shard", "cluster")
+NOT_PASSED = ("fn", "jobs", "worker_plan", "layouts", "json", "quiet", "shard", "cluster", "contention")
 
 
 @dataclass

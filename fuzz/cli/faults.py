@@ -27,7 +27,7 @@ def cmd_faults(args) -> int:
 
 def cmd_selftest(args) -> int:
     from engine.faults import FAULTS
-    from fuzz.campaign.selftest import run_selftest, summary_json, table
+    from fuzz.contention.command import checked, held
 
     names = args.fault or list(FAULTS)
     for f in names:
@@ -37,13 +37,20 @@ def cmd_selftest(args) -> int:
         raise BadInput(f"--budget-per-fault: {args.budget_per_fault} is not a positive number of seconds")
     load_profile(args.profile)
     base = base_config(args)
+    with held(checked(args.contention, device=args.device), device=args.device, seed=args.seed):
+        return _selftest(args, names, base)
+
+
+def _selftest(args, names, base) -> int:
+    from fuzz.campaign.selftest import run_selftest, summary_json, table
+
     results = run_selftest(names, args.budget_per_fault, args.out, args.seed, progress=not args.json, base=base,
                            isolate=args.isolate, everywhere=args.everywhere, oracles=oracles(args),
                            poison=poison(args))
     if args.json:
         print(json.dumps({**summary_json(results), "dtype": base.dtype, "device": base.device,
                           "attention_backend": base.attention_backend, "everywhere": args.everywhere,
-                          "poison": args.poison,
+                          "poison": args.poison, "contention": args.contention,
                           "budget_per_fault": args.budget_per_fault, "seed": args.seed}, indent=1))
     else:
         print(table(results))

@@ -34,13 +34,29 @@ VLLM_ONLY = ("configs", "cells", "exclude", "known", "include_known")
 
 def cmd_run(args) -> int:
     from fuzz.campaign.jobs import parse_jobs
-    from fuzz.campaign.jobs_worker import Share, worker_args
-    from fuzz.campaign.shard import parse_shard, shard_part
+    from fuzz.campaign.jobs_worker import worker_args
+    from fuzz.contention.command import checked, held
 
     args, share = worker_args(args)  # a worker of `run --jobs N`: its part of the campaign (else None)
     if args.target not in TARGETS:
         raise BadInput(f"--target: unknown target {args.target!r} (known: {', '.join(TARGETS)})")
+    # The parent holds the load for the whole campaign; its workers only record it (never passed on).
+    profile = checked(getattr(args, "contention", None), allow_draw=True, device=args.device)
     jobs = parse_jobs(args)  # None: the default, once the cells are known
+    if profile is not None and getattr(args, "cluster", None) is not None:
+        raise BadInput("--contention: loads this machine only, not a Ray cluster's nodes; run each node's own")
+    if profile == "draw":
+        if jobs not in (None, 1):
+            raise BadInput("--contention draw: a level per cell needs the cells in one process: --jobs 1")
+        args.jobs, jobs = "1", 1
+    with held(profile, device=args.device, seed=args.seed):
+        return _cmd_run(args, share, jobs)
+
+
+def _cmd_run(args, share, jobs) -> int:
+    from fuzz.campaign.jobs_worker import Share
+    from fuzz.campaign.shard import parse_shard, shard_part
+
     shard = parse_shard(getattr(args, "shard", None))  # fuzz/campaign/shard.py
     if args.target == "vllm":  # fuzz/cli/vllm.py; docs/vllm.md
         return _run_vllm(args, shard)
@@ -214,6 +230,11 @@ def _option_parents() -> dict[str, argparse.ArgumentParser]:
                                    "(default: reference and solo always, transformers and determinism sampled)")
     check_oracles = argparse.ArgumentParser(add_help=False)
     check_oracles.add_argument("--oracle", default=None, help="oracles to check (default: all)")
+    check_oracles.add_argument("--contention", default=None,
+                               help="the load to replay under (default: the one the reproducer recorded; none: "
+                                    "without): cpu[:N], gpu[:N], both[:N] or a comma list (docs/contention.md)")
+    check_oracles.add_argument("--replays", type=int, default=None,
+                               help="replays of the Case, reported as a rate (default: 8 under contention, else 1)")
     return {"isolate": isolate, "engine": engine, "fuzz_oracles": fuzz_oracles, "check_oracles": check_oracles}
 
 
@@ -242,6 +263,9 @@ def _add_run_parser(sub, parents: list[argparse.ArgumentParser]) -> None:
     r.add_argument("--cluster", default=None, help="ray or ray://HOST:PORT: run the --jobs workers (default: one per "
                    "layout) as Ray tasks on a Ray cluster (pip install 'llmfuzz[cluster]'); reproducers come back here")
     r.add_argument("--worker-plan", default=None, help=argparse.SUPPRESS)  # a --jobs worker (fuzz/campaign/jobs_worker.py)
+    r.add_argument("--contention", default=None, help="what runs beside the campaign, for the whole run: none, "
+                   "cpu[:N] (busy cores), gpu[:N] (co-processes bursting on the GPU), both[:N], a comma list "
+                   "(gpu:3,cpu:6), or draw (a level per cell); recorded in every reproducer (docs/contention.md)")
     r.add_argument("--target", default="reference",
                    help="engine to fuzz: reference (default: our engine, white-box), vllm (a real vLLM, docs/vllm.md) "
                    "or transformers-cb (transformers' continuous batching, docs/transformers_cb.md)")
@@ -278,6 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--seed", type=int, default=0)
     st.add_argument("--poison", default="both", help="nan, stale or both (default: each Case draws one)")
     st.add_argument("--profile", default=None)
+    st.add_argument("--contention", default=None, help="the load every fault is fuzzed under: cpu[:N], gpu[:N], "
+                    "both[:N] or a comma list (docs/contention.md)")
     st.add_argument("--everywhere", action="store_true",
                     help="switch each fault on in every run the harness makes (reference included), as a "
                          "real bug in shared code would be; only independent oracles can then see it")
