@@ -46,21 +46,44 @@ def _error(exc: BaseException, phase: str) -> dict:
             "frames": _frames(exc.__traceback__), "traceback": "".join(traceback.format_exception(exc))[-20000:]}
 
 
+# Words of a CUDA error the library logs and goes on past ("Failed to warm up: CUDA error:
+# device-side assert triggered", a WARNING): the device is broken from then on, whatever the
+# run returns next, so the run is a crash where the error was logged.
+CUDA_ERROR_WORDS = ("CUDA error", "device-side assert", "AcceleratorError", "illegal memory access")
+
+
 class _LoggedErrors:
-    """The library's logged exceptions (`logger.error(..., exc_info=True)`): a request that
-    fails is reported by the library only as a string in its output; its logged record
-    has the traceback, which names the frame that raised."""
+    """The library's logged failures. Exceptions (`logger.error(..., exc_info=True)`): a
+    request that fails is reported by the library only as a string in its output; its
+    logged record has the traceback, which names the frame that raised. CUDA errors logged
+    at any level from WARNING up, with or without a traceback: the library swallows them."""
 
     def __init__(self) -> None:
         import logging
 
         self.records: list = []
-        handler = logging.Handler(logging.ERROR)
-        handler.emit = lambda rec: self.records.append(rec) if rec.exc_info else None
+        handler = logging.Handler(logging.WARNING)
+        handler.emit = self._emit
         logging.getLogger("ContinuousBatchingLogger").addHandler(handler)
 
-    def first(self) -> BaseException | None:
-        return self.records[0].exc_info[1] if self.records else None
+    def _emit(self, rec) -> None:
+        import logging
+
+        if (rec.levelno >= logging.ERROR and rec.exc_info) or any(w in rec.getMessage() for w in CUDA_ERROR_WORDS):
+            self.records.append(rec)
+
+    def failure(self) -> dict | None:
+        """The first logged failure as an error reply: its exception's, or for a CUDA error
+        logged without one, `LoggedCUDAError` at the library's frame that logged it."""
+        if not self.records:
+            return None
+        rec = self.records[0]
+        if rec.exc_info and rec.exc_info[1] is not None:
+            return _error(rec.exc_info[1], "run")
+        msg = rec.getMessage()
+        return {"event": "error", "phase": "run", "type": "LoggedCUDAError", "message": msg[:2000],
+                "frames": [{"file": rec.pathname, "line": rec.lineno, "func": rec.funcName}],
+                "traceback": f"{rec.levelname} {rec.name} ({rec.pathname}:{rec.lineno}): {msg}"[-20000:]}
 
 
 def _plant(what: str) -> None:
@@ -68,12 +91,15 @@ def _plant(what: str) -> None:
     `raise_schedule:N` / `hang_schedule:N` / `abort_schedule:N`: the N-th call of the FIFO
     scheduler's `schedule_batch` raises / sleeps forever / aborts the process as a native
     error would (SIGABRT, in the library's thread); `leak_cache`: every KV cache the library builds
-    is kept referenced."""
+    is kept referenced; `warmup_cuda_error:N`: a CUDA error the library logs at the N-th warm-up and swallows."""
     if not what:
         return
     from transformers.generation.continuous_batching import cache, scheduler
 
     name, _, n = what.partition(":")
+    if name == "warmup_cuda_error":
+        _plant_warmup_cuda_error(int(n or 1))
+        return
     if name == "leak_cache":
         kept, init = [], cache.PagedAttentionCache.__init__
 
@@ -99,6 +125,32 @@ def _plant(what: str) -> None:
         return original(self, *a, **kw)
 
     scheduler.FIFOScheduler.schedule_batch = planted_schedule_batch
+
+
+def _plant_warmup_cuda_error(nth: int) -> None:
+    """`warmup_cuda_error:N`: the N-th warm-up (the worker's configure check is the first) meets a CUDA error, as it did on a
+    shared H100 (docs/findings/transformers_cb_async_race.md): it logs "Failed to warm up:
+    CUDA error: device-side assert triggered" as a warning and goes on."""
+    from transformers.generation.continuous_batching import model_runner
+
+    warmup, calls = model_runner.ModelRunner.warmup, [0]
+
+    def planted_warmup(self, model, *a, **kw):
+        calls[0] += 1
+        if calls[0] != nth:  # once, as the other plants: the worker's next run is clean
+            return warmup(self, model, *a, **kw)
+
+        def failing(*_a, **_kw):
+            raise RuntimeError("CUDA error: device-side assert triggered (planted)")
+
+        self.compute_batch = failing
+        try:
+            self.run_one_warmup(model, num_q_tokens=1, max_kv_read=None)  # logs the error and goes on
+        finally:
+            del self.compute_batch
+        return warmup(self, model, *a, **kw)
+
+    model_runner.ModelRunner.warmup = planted_warmup
 
 
 def _load(spec: dict):
@@ -202,8 +254,8 @@ def _run(model, spec: dict, cmd: dict, progress, errors: _LoggedErrors) -> dict:
         tap.remove()
         # The failure as a reply now: the exception's frames hold the library's batch processor
         # (and its KV cache) for as long as the exception lives.
-        exc = arrivals.fatal or (errors.first() if errors.records else None)
-        failure = _error(exc, "run") if exc is not None else None
+        exc = arrivals.fatal
+        failure = _error(exc, "run") if exc is not None else errors.failure()
         del exc
         arrivals.fatal = tap.manager = arrivals.manager = None
         errors.records.clear()

@@ -70,3 +70,12 @@ def test_a_native_abort_is_named_by_the_thread_it_hit(monkeypatch):
 def test_cache_kept_alive_is_a_leak(monkeypatch):
     f = run_planted(monkeypatch, "leak_cache")
     assert (f.kind, f.signature) == ("leak", "leak@transformers:cache_alive")
+
+
+def test_a_cuda_error_the_library_logs_and_swallows_is_a_crash(monkeypatch):
+    """The library's warm-up catches a CUDA error, logs "Failed to warm up: CUDA error: ..." as
+    a warning and generates on; the run is a crash keyed by the library's frame that logged it."""
+    f = run_planted(monkeypatch, "warmup_cuda_error:2", survives=True)  # 1: the configure check
+    assert f.kind == "crash"
+    assert f.signature == "LoggedCUDAError@transformers/generation/continuous_batching/model_runner.py:run_one_warmup"
+    assert "Failed to warm up: CUDA error: device-side assert triggered (planted)" in f.detail
