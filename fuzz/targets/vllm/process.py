@@ -30,6 +30,10 @@ class _Worker:
     spawned: float = 0.0  # time.monotonic() of its spawn
     sent: float = 0.0  # time.perf_counter() when its config was sent (0: not yet): it is starting since
     sent_at: float = 0.0  # the same moment by the wall clock, which the worker's `ready_at` is read against
+    start_s: float = 0.0  # how long its engine took to come up, warm-up included (the watchdog scales with it)
+    slowest_step_s: float = 0.0  # the slowest engine step it reported (`step_s` of its progress lines)
+    cache: object = None  # what its engine's prefix cache can hold (fuzz.targets.vllm.prefix.EngineCache)
+    stall_dumps: dict | None = None  # the stacks dumped when its last run stopped making progress
 
 
 def kill_group(w: _Worker) -> None:
@@ -62,11 +66,12 @@ def stop_worker(w: _Worker, kill=kill_group) -> None:
     kill(w)
 
 
-def read_reply(w: _Worker, timeout: float, idle: float | None = None, on_stop=None) -> dict | None:
+def read_reply(w: _Worker, timeout: float, idle: float | None = None, on_stop=None,
+               on_progress=None) -> dict | None:
     """The next reply line other than progress; None after `timeout` in all or `idle`
-    without any line (progress lines count: the worker writes one per engine step);
-    EOFError if the worker's stdout closed. A stop (fuzz.stop) runs `on_stop`, kills the
-    worker's group and raises StopRequested within half a second."""
+    without any line (progress lines count: the worker writes one per engine step, and each
+    is passed to `on_progress`); EOFError if the worker's stdout closed. A stop (fuzz.stop)
+    runs `on_stop`, kills the worker's group and raises StopRequested within half a second."""
     from fuzz.stop import StopRequested, stop_requested
 
     t0 = time.monotonic()
@@ -81,6 +86,8 @@ def read_reply(w: _Worker, timeout: float, idle: float | None = None, on_stop=No
                 if msg.get("event") != "progress":
                     return msg
                 last = time.monotonic()
+                if on_progress is not None:
+                    on_progress(msg)
             if stop_requested():
                 if on_stop is not None:
                     on_stop()
@@ -117,24 +124,41 @@ def answered(w: _Worker) -> bool:
 
 def dump_stacks(w: _Worker, stacks_dir: str, wait_s: float = 2.0) -> dict[int, str]:
     """Every process of the worker's group dumps its Python stacks (SIGUSR1: faulthandler,
-    registered by site/sitecustomize.py): pid -> dump."""
+    registered by site/sitecustomize.py): pid -> this dump. faulthandler appends each dump to
+    the process's file, so only what was written after the signal is read (a watchdog that
+    looks again, at a compile, must not read the first dump twice); the files are polled until
+    every process has written, at most `wait_s` (faulthandler writes from its signal handler,
+    within milliseconds of the signal, unless the process is stopped)."""
     pids = group_pids(w.proc.pid)
+    paths = {pid: os.path.join(stacks_dir, f"{pid}.txt") for pid in pids}
+    sizes = {pid: _size(p) for pid, p in paths.items()}
     for pid in pids:
         try:
             os.kill(pid, signal.SIGUSR1)
         except (ProcessLookupError, PermissionError):
             pass
-    time.sleep(wait_s)
+    end = time.monotonic() + wait_s
+    while time.monotonic() < end and any(_size(p) <= sizes[pid] for pid, p in paths.items()):
+        time.sleep(0.05)
+    time.sleep(min(0.1, wait_s))  # the last lines of a dump still being written
     out = {}
-    for pid in pids:
+    for pid, path in paths.items():
         try:
-            with open(os.path.join(stacks_dir, f"{pid}.txt")) as f:
-                text = f.read()
+            with open(path, "rb") as f:
+                f.seek(sizes[pid])
+                text = f.read().decode("utf-8", "replace")
         except OSError:
             continue
         if text.strip():
             out[pid] = text
     return out
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
 
 
 def proc_stats() -> dict[int, list[str]]:

@@ -15,9 +15,13 @@ A crash (an exception out of `LLMEngine.step`, a dead worker process) kills the 
 process group and raises `TargetFailure` keyed by its signature: exception type +
 innermost vLLM frame of the *root* traceback (the first ERROR-level traceback vLLM's
 processes logged during the run, e.g. the PP worker's AssertionError, rather than the
-engine client's generic EngineDeadError). A hang (no step's progress for `hang_s`) first
-has every process of the group dump its stacks, and is keyed by the stuck frame
-(fuzz.targets.vllm.stacks). The next Case starts a fresh engine.
+engine client's generic EngineDeadError). A stall (no step's progress for `watchdog_s`,
+scaled by the steps and start-up this machine measured: fuzz.targets.vllm.watchdog) first
+has every process of the group dump its stacks: a compiler on the stack is waited for; otherwise the
+run is re-run on a fresh engine with a longer watchdog, and only a second stall is a hang,
+keyed by the stuck frame (fuzz.targets.vllm.stacks). The next Case starts a fresh engine.
+Every run's reported prefix-cache hits are judged against the harness's own model of the
+engine's cache (fuzz.targets.vllm.prefix; `last_prefix`).
 
 What a process starts with (config -> `vllm.LLM` arguments, environment, checkpoint):
 `fuzz.targets.vllm.launch`. The properties checked on a run and the tolerance:
@@ -43,6 +47,7 @@ from fuzz.targets.vllm.configs import VLLM_MODEL, VLLMOptions, cell_name
 from fuzz.targets.vllm.launch import checkpoint_dir, engine_env, llm_kwargs, worker_env
 from fuzz.targets.vllm.process import _Worker, answered, dump_stacks, kill_group, read_reply, stop_worker
 from fuzz.targets.vllm.stacks import vllm_frames
+from fuzz.targets.vllm.watchdog import RERUN_K, await_reply, watchdog_s
 
 
 def start_kind(cfg: EngineConfig, opts: VLLMOptions) -> tuple[int, bool, bool]:
@@ -68,10 +73,14 @@ class VLLMRunner:
     (`prestart`).
 
     Time bounds: start-up `startup_timeout_s`; a run `run_timeout_s` + per token, and
-    `hang_s` without a step's progress (the worker reports every step): then every process
-    of the group dumps its stacks (SIGUSR1, faulthandler) and the hang is named by the stuck
-    frame (fuzz.targets.vllm.stacks). `deadline` (time.monotonic(), set by the campaign): no
-    start or run goes past it. A stop (SIGINT/SIGTERM: fuzz.stop) kills the group at once."""
+    `watchdog_s` without a step's progress (the worker reports every step; `hang_s` is the
+    watchdog's floor, fuzz.targets.vllm.watchdog): then every process of the group dumps its stacks
+    (SIGUSR1, faulthandler). A stack in a compiler (fuzz.targets.vllm.stacks.compiling) is a
+    compile, not a hang: the watchdog waits again, within the run's bound (`compile_waits`).
+    Otherwise the run is re-run on a fresh engine with RERUN_K x the watchdog, and only a
+    second stall is a hang, named by the stuck frame; a re-run that finishes is a slow step
+    (`slow_steps`). `deadline` (time.monotonic(), set by the campaign): no start or run goes
+    past it. A stop (SIGINT/SIGTERM: fuzz.stop) kills the group at once."""
 
     def __init__(self, *, python: str | None = None, top_k: int = 5, startup_timeout_s: float = 300.0,
                  run_timeout_s: float = 180.0, run_timeout_per_token_s: float = 1.0, hang_s: float = 40.0,
@@ -93,6 +102,12 @@ class VLLMRunner:
         self.vllm_files: set = set()  # the vllm/__init__.py each started engine imported (llmfuzz mutate)
         self.deadline: float | None = None
         self.last_drafts: dict = {}  # the last run's n-gram drafts, by request (worker.py)
+        # The last run's prefix-cache judgement (fuzz.targets.vllm.prefix.EngineCache.judge).
+        self.last_prefix = None
+        # Runs that stalled past the watchdog and then finished on a fresh engine (not hangs),
+        # and watchdog expiries spent waiting for a compiler: each a dict with its cell.
+        self.slow_steps: list[dict] = []
+        self.compile_waits: list[dict] = []
         self._w: _Worker | None = None
         self._spare: _Worker | None = None
         self._retiring: list[tuple[threading.Thread, _Worker]] = []  # engines left behind, exiting
@@ -119,8 +134,8 @@ class VLLMRunner:
         env = worker_env(VLLM_MODEL)
         env.update(LLMFUZZ_VLLM_STACKS=self.stacks_dir, LLMFUZZ_VLLM_DRAFTS=self.drafts_dir)
         with open(log_path, "wb") as log:
-            proc = subprocess.Popen([self.python, launch.WORKER, "--warm"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    stderr=log, env=env, start_new_session=True)
+            proc = subprocess.Popen([self.python, launch.WORKER, "--warm"], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True)
         return _Worker(proc, "", tag, log_path, spawned=time.monotonic())
 
     def _cap(self, timeout: float) -> float:
@@ -190,7 +205,8 @@ class VLLMRunner:
             if not w.sent:
                 self._send_config(w, cfg, opts)
             timeout = self._cap(max(1.0, self.startup_timeout_s - ahead))
-            reply = self._read(w, timeout)
+            # A start sitting in a compiler at its bound gets the bound once more.
+            reply, _ = self._await(w, timeout, None, extend_s=self._cap(self.startup_timeout_s))
         except (EOFError, BrokenPipeError, OSError):
             reply = {"event": "died"}
         except BaseException:  # a stop raised mid-start (fuzz.stop): the engine starting goes too
@@ -211,6 +227,7 @@ class VLLMRunner:
                             "ahead_s": round(ahead, 1), "full_s": round(full, 1),
                             "import_s": round(float((reply or {}).get("import_s", 0.0)), 1),
                             "init_s": round(float((reply or {}).get("startup_s", 0.0)), 1),
+                            "warmup_s": round(float((reply or {}).get("warmup_s", 0.0)), 1),
                             "ok": bool(reply and reply.get("event") == "ready")})
         st.startup_s += wall
         if self.spare and self._spare is None and (self.deadline is None or time.monotonic() < self.deadline):
@@ -223,6 +240,7 @@ class VLLMRunner:
             raise self._hang("startup", w, f"no reply within {ahead + timeout:.0f}s of start-up", "hang@startup")
         if reply.get("event") != "ready":
             raise self._ended("startup", w, st, reply, 0)
+        w.start_s = full
         self.vllm_version = reply.get("vllm_version")
         self.vllm_files.add(reply.get("vllm_file"))
         return w
@@ -277,20 +295,36 @@ class VLLMRunner:
     _kill = staticmethod(kill_group)
 
     def _read(self, w: _Worker, timeout: float, idle: float | None = None) -> dict | None:
-        """The next reply other than progress (fuzz.targets.vllm.process.read_reply); a stop
-        kills this runner's every process group first."""
-        return read_reply(w, timeout, idle, on_stop=self.kill_all)
+        """The next reply other than progress (fuzz.targets.vllm.process.read_reply), keeping
+        the worker's slowest step; a stop kills this runner's every process group first."""
+        def progress(msg: dict) -> None:
+            w.slowest_step_s = max(w.slowest_step_s, float(msg.get("step_s") or 0.0))
+
+        return read_reply(w, timeout, idle, on_stop=self.kill_all, on_progress=progress)
+
+    def watchdog_s(self, w: _Worker) -> float:
+        """Seconds without a step's progress before a run is a hang candidate
+        (fuzz.targets.vllm.watchdog: max(hang_s, STEP_K x slowest step, START_K x start-up))."""
+        return watchdog_s(self.hang_s, w)
+
+    def _await(self, w: _Worker, timeout: float, idle: float | None,
+               extend_s: float = 0.0) -> tuple[dict | None, dict[int, str] | None]:
+        """fuzz.targets.vllm.watchdog.await_reply on this runner's reads, dumps and deadline."""
+        return await_reply(w, self._read, self.dump_stacks, timeout, idle, extend_s, self.deadline, self.compile_waits)
 
     def dump_stacks(self, w: _Worker, wait_s: float = 2.0) -> dict[int, str]:
         return dump_stacks(w, self.stacks_dir, wait_s)
 
-    def _hang(self, kind: str, w: _Worker, detail: str, fallback: str, log_offset: int = 0) -> TargetFailure:
-        """No progress: dump every process's stacks and kill. A worker that raised before the
-        engine stalled (its ERROR traceback in the log) names the hang, as its crash would:
-        the stuck frame is then only a generic wait. Otherwise the stuck frame names it."""
+    def _hang(self, kind: str, w: _Worker, detail: str, fallback: str, log_offset: int = 0,
+              dumps: dict[int, str] | None = None) -> TargetFailure:
+        """No progress: every process's stacks (`dumps`, else dumped now), and kill. A worker
+        that raised before the engine stalled (its ERROR traceback in the log) names the hang,
+        as its crash would: the stuck frame is then only a generic wait. Otherwise the stuck
+        frame names it."""
         from fuzz.targets.vllm.stacks import describe, hang_signature
 
-        dumps = self.dump_stacks(w)
+        if dumps is None:
+            dumps = self.dump_stacks(w)
         self._kill(w)
         stuck = f"stuck: {describe(dumps)}"
         root = self._root_traceback(self._log_since(w, log_offset))
@@ -372,25 +406,11 @@ class VLLMRunner:
         timeout = self._cap(self.run_timeout_s + self.run_timeout_per_token_s * tokens)
         cmd = {"cmd": "run", "logprobs": self.top_k, "prompt_logprobs": self.top_k if prompt_logprobs else None,
                "requests": requests}
-        log_offset = os.path.getsize(w.log_path)
-        try:
-            w.proc.stdin.write((json.dumps(cmd) + "\n").encode())
-            w.proc.stdin.flush()
-            reply = self._read(w, timeout, idle=self.hang_s)
-        except (EOFError, BrokenPipeError, OSError):
-            reply = {"event": "died"}
-        except BaseException:  # a stop raised mid-run (fuzz.stop): its engine is in an unknown state
-            self._w = None
-            self._kill(w)
-            raise
+        watchdog = self.watchdog_s(w)
+        reply, log_offset = self._send_run(w, cmd, timeout, watchdog)
         st.runs += 1
         if reply is None:
-            self._w = None
-            st.failures += 1
-            if self.deadline is not None and time.monotonic() >= self.deadline:
-                self._kill(w)
-                raise TargetFailure("deadline", "deadline", "the campaign's time ran out during a run", w.log_path)
-            raise self._hang("hang", w, f"no progress for {min(self.hang_s, timeout):.0f}s", "hang@run", log_offset)
+            reply, w, log_offset = self._confirm_hang(case, opts, cmd, w, st, timeout, watchdog, log_offset)
         if reply.get("event") != "result":
             self._w = None
             raise self._ended("crash", w, st, reply, log_offset)
@@ -404,4 +424,66 @@ class VLLMRunner:
         run = TargetRun(results, float(reply["seconds"]), int(reply["steps"]), dict(reply.get("aborted") or {}),
                         (fb[0], fb[1]))
         self.last_drafts = reply.get("drafts") or {}
+        self.last_prefix = self._cache(w, case.config, opts).judge(items, run, prompt_logprobs)
         return run
+
+    @staticmethod
+    def _cache(w: _Worker, cfg: EngineConfig, opts: VLLMOptions):
+        """The worker's engine's prefix-cache ledger, made at its first run."""
+        from fuzz.targets.vllm.prefix import EngineCache
+
+        if w.cache is None:
+            w.cache = EngineCache(cfg.block_size, opts.enable_prefix_caching,
+                                  cfg.num_speculative_tokens if cfg.speculative_method != "none" else 0)
+        return w.cache
+
+    def _send_run(self, w: _Worker, cmd: dict, timeout: float, watchdog: float) -> tuple[dict | None, int]:
+        """Send a run to the worker and await its reply with the watchdog: (reply or None on a
+        stall, the worker's log offset before the run). A dead worker is a `died` reply; a
+        stop raised meanwhile kills it."""
+        log_offset = os.path.getsize(w.log_path)
+        try:
+            w.proc.stdin.write((json.dumps(cmd) + "\n").encode())
+            w.proc.stdin.flush()
+            reply, w.stall_dumps = self._await(w, timeout, watchdog)
+        except (EOFError, BrokenPipeError, OSError):
+            reply = {"event": "died"}
+        except BaseException:  # a stop raised mid-run (fuzz.stop): its engine is in an unknown state
+            self._w = None
+            self._kill(w)
+            raise
+        return reply, log_offset
+
+    def _confirm_hang(self, case: Case, opts: VLLMOptions, cmd: dict, w: _Worker, st: EngineStats, timeout: float,
+                      watchdog: float, log_offset: int) -> tuple[dict, _Worker, int]:
+        """A run stalled past the watchdog: not a hang yet. Unless the worker's log already
+        shows a raised exception (the engine is broken, not slow: reported at once), the same
+        run goes to a fresh engine with RERUN_K x the watchdog (capped by the run's bound): a
+        second stall is the hang, named by its stuck frame; a reply is returned as the run's,
+        and the stall recorded in `slow_steps`."""
+        self._w = None
+        dumps = getattr(w, "stall_dumps", None)
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            st.failures += 1
+            self._kill(w)
+            raise TargetFailure("deadline", "deadline", "the campaign's time ran out during a run", w.log_path)
+        first = self._hang("hang", w, f"no progress for {min(watchdog, timeout):.0f}s", "hang@run", log_offset, dumps)
+        if self._root_traceback(self._log_since(w, log_offset)) is not None:
+            st.failures += 1
+            raise first
+        rerun = min(RERUN_K * watchdog, timeout)
+        self.ensure(case.config, opts)
+        w2 = self._w
+        reply, offset2 = self._send_run(w2, cmd, timeout, rerun)
+        if reply is None:
+            self._w = None
+            st.failures += 1
+            if self.deadline is not None and time.monotonic() >= self.deadline:
+                self._kill(w2)
+                raise TargetFailure("deadline", "deadline", "the campaign's time ran out during a run", w2.log_path)
+            raise self._hang("hang", w2, f"no progress for {rerun:.0f}s on a fresh engine, after {watchdog:.0f}s "
+                             f"on the first (first {first.signature})", "hang@run", offset2,
+                             getattr(w2, "stall_dumps", None))
+        self.slow_steps.append({"cell": w.cell, "watchdog_s": round(watchdog, 1), "rerun_watchdog_s": round(rerun, 1),
+                                "first": first.signature, "rerun_event": reply.get("event")})
+        return reply, w2, offset2

@@ -9,6 +9,10 @@ a waiting primitive. The stuck thread is the one whose innermost frame is NOT su
 it is computing or sleeping somewhere a step should have returned from. Without one (every
 thread waits: a lost message, a deadlock), the innermost vLLM frame of a waiting main thread
 names the hang instead. No line numbers, so a signature survives small upstream edits.
+
+Not every stall is a hang: a process sitting in a compiler (`compiling`: torch.compile's
+dynamo and inductor, its C++ builder, triton, vLLM's compilation layer) is compiling, which
+on a cold cache and a busy machine takes minutes; the runner waits for it instead.
 """
 from __future__ import annotations
 
@@ -109,3 +113,37 @@ def describe(dumps: dict[int, str], limit: int = 6) -> str:
                                  for f in t["frames"][:limit])
             return f"pid {fr['pid']}{' (every thread waiting)' if fr['waiting'] else ''}: {frames}"
     return f"pid {fr['pid']}: {fr['path']}:{fr['func']}"
+
+
+# Compilers a vLLM process may sit in for minutes on a cold cache: torch.compile's tracer
+# (dynamo) and code generator (inductor: C++ built by cpp_builder, Triton kernels), and
+# vLLM's own compilation layer around them. A frame counts only where the file is one of
+# compilation, or the function one that compiles: compiled code *runs* under frames of the
+# same packages (dynamo's eval_frame wrapper, inductor's output_code), and a hang there is the
+# engine's, not the compiler's.
+_COMPILER_DIRS = ("torch/_dynamo/", "torch/_inductor/", "triton/", "vllm/compilation/")
+_COMPILER_FILES = {"convert_frame.py", "output_graph.py", "symbolic_convert.py", "compile_fx.py", "codecache.py",
+                   "cpp_builder.py", "async_compile.py", "graph.py", "lowering.py", "scheduler.py", "codegen",
+                   "compiler.py", "compiler_interface.py", "backends.py", "autotune_process.py"}
+
+
+def compiler_frame(frame: dict) -> bool:
+    """Whether a stack frame is a compiler's (above): its file under torch._dynamo,
+    torch._inductor, triton or vllm.compilation, and either a compiling file or a function
+    whose name says it compiles."""
+    path = frame["file"].replace("\\", "/")
+    if not any(d in path for d in _COMPILER_DIRS):
+        return False
+    return os.path.basename(path) in _COMPILER_FILES or "/codegen/" in path or "compile" in frame["func"].lower()
+
+
+def compiling(dumps: dict[int, str]) -> str | None:
+    """Where a process of the dumps is compiling (`pid N: file:func`, its innermost compiler
+    frame), or None. Any thread counts, waiting or not: inductor waits on its C++ compiler's
+    subprocess or its compile workers, a wait inside a compile."""
+    for pid in sorted(dumps):
+        for t in parse_dump(dumps[pid]):
+            for fr in t["frames"]:
+                if compiler_frame(fr):
+                    return f"pid {pid}: {os.path.basename(fr['file'])}:{fr['func']}"
+    return None

@@ -175,6 +175,15 @@ class VLLMTarget(Target):
                 self._failed_keys.add(key)
             raise
 
+    def fresh_check(self, case, history=()):
+        """`history` then `case` on a brand-new engine: the live one is shut down, and the
+        next run starts another in a new worker process (VLLMRunner.ensure)."""
+        from fuzz.targets.fresh import RESTARTED, run_sequence
+
+        self.fresh = RESTARTED
+        self.checker.runner.shutdown(wait=True)  # one engine on the device at a time
+        return run_sequence(self.check, history, case, self.checked)
+
     def _unchecked(self, case) -> "Unchecked":
         self.unchecked += 1
         self._unchecked_since_write += 1
@@ -319,6 +328,12 @@ class VLLMTarget(Target):
         n = stats.notes
         for k in NOTES:
             n.setdefault(k, NOTES[k])
+        # What this example reached (fuzz.targets.vllm.checker.reached): coverage counts only those.
+        case, feats = self._checker.last_reach if self._checker is not None else (None, frozenset())
+        if case is not None:
+            key = "+".join(sorted(feats)) or "none"
+            n.setdefault("reached", {})[key] = n.setdefault("reached", {}).get(key, 0) + 1
+            self._checker.last_reach = (None, frozenset())
         ref, hf = verdict.vs_reference, verdict.vs_transformers
         n["max_lp_error_vs_reference"] = max(n["max_lp_error_vs_reference"], ref.max_lp_error)
         n["near_tie_divergences"] += len(ref.divergences)
@@ -332,6 +347,10 @@ class VLLMTarget(Target):
         stats.notes["engine_starts"] = st.starts - s0 if st else 0
         stats.notes["startup_s"] = round(st.startup_s - ss0, 1) if st else 0.0
         stats.notes["llm_kwargs"] = llm_kwargs(cell.data.config, VLLMOptions.of(cell.data))
+        # Stalls that were not hangs (fuzz.targets.vllm.runner): counted, not findings.
+        runner = self.checker.runner
+        stats.notes["slow_steps"] = sum(1 for x in getattr(runner, "slow_steps", ()) if x["cell"] == cell.name)
+        stats.notes["compile_waits"] = sum(1 for x in getattr(runner, "compile_waits", ()) if x["cell"] == cell.name)
         ds = self._checker.draft_stats.get(cell.name) if self._checker is not None else None
         if ds is not None:
             stats.notes["drafts"] = ds.to_json()

@@ -15,7 +15,9 @@ tracebacks from).
     vLLM is imported first and the spec is the first line of stdin (a pre-imported spare
     worker: the runner starts the next config's worker while the current one is fuzzed, so
     the ~7-16 s import of vLLM is off the critical path)
-    -> {"event": "ready", "startup_s": S, "import_s": S, "vllm_version": V, "vllm_file": F}   or   {"event": "error", ...}
+    -> {"event": "ready", "startup_s": S, "import_s": S, "warmup_s": S, "vllm_version": V, "vllm_file": F}
+       or   {"event": "error", ...}   (startup_s includes the warm-up: a generate with logprobs and
+       prompt logprobs that compiles vLLM's lazily compiled kernels before the first Case)
     {"cmd": "run", "requests": [{"id", "prompt_token_ids", "max_tokens", "arrival_step", "abort_step"?,
                                  "cache_salt"?, "sampling"?: {SamplingParams field: value}}],
      "logprobs": K, "prompt_logprobs": K or null}
@@ -26,8 +28,9 @@ tracebacks from).
         "drafts": {id: [[n, k, [draft...]], ...]},   (n-gram drafts, with LLMFUZZ_VLLM_DRAFTS)
         "aborted": {id: step},   (requests aborted before that driver step, still unfinished then)
         "free_blocks": [before, after]}   (the KV pool's free blocks around the run; null if unknown)
-    while running: {"event": "progress", "step": N} after every step (the runner's watchdog:
-    no progress for a while is a hang, and every process's stack is dumped)
+    while running: {"event": "progress", "step": N, "step_s": S} after every step, with its
+    seconds (the runner's watchdog: no progress for a while is a hang candidate, and every
+    process's stack is dumped; the slowest step seen sets how long "a while" is)
     {"cmd": "exit"}
 
 A request with `arrival_step` a > 0 is added just before the driver's (a+1)-th call of
@@ -149,6 +152,7 @@ def _run(llm, cmd: dict, progress=None) -> dict:
             if rid not in results:
                 eng.abort_request([rid])
                 aborted[rid] = step
+        t_step = time.perf_counter()
         if eng.has_unfinished_requests():
             for out in eng.step():
                 c = out.outputs[0]
@@ -159,10 +163,31 @@ def _run(llm, cmd: dict, progress=None) -> dict:
                     results[out.request_id]["prompt_logprobs"] = _positions((out.prompt_logprobs or [None])[1:])
         step += 1
         if progress is not None:
-            progress(step)
+            progress(step, time.perf_counter() - t_step)
     return {"event": "result", "seconds": time.perf_counter() - t0, "steps": step, "results": results,
             "drafts": _drafts_since(offsets), "aborted": aborted,
             "free_blocks": [free_before, _free_blocks(eng)]}
+
+
+# The warm-up's requests: two prompt lengths, so that vLLM's compiled logprob-rank kernel
+# (torch.compile'd `batched_count_greater_than`) sees two shapes in the one step (sampled rows,
+# prompt rows) and is compiled for dynamic shapes before the first Case. One step only
+# (max_tokens 1): a planted `hang_schedule:N` still lands in the Case's run. Prompts shorter
+# than any block: nothing enters the prefix cache.
+WARMUP = [{"id": "llmfuzz-warmup-0", "prompt_token_ids": [1, 2, 3], "max_tokens": 1},
+          {"id": "llmfuzz-warmup-1", "prompt_token_ids": [1, 2, 3, 4, 5], "max_tokens": 1}]
+
+
+def _warm_up(llm) -> float:
+    """The engine's first generate, with logprobs and prompt logprobs, before it is reported
+    ready: vLLM compiles some kernels on their first call (torch.compile, e.g. the sampler's
+    logprob ranks), which on a cold compile cache and a busy machine outlasted the runner's
+    no-progress watchdog in the first Case. Run here, its time is start-up time (the runner's
+    watchdog then scales with it) and a pre-started spare pays it off the critical path. The
+    same request path as a Case (`_run`), so what is compiled is what the Cases call."""
+    t0 = time.perf_counter()
+    _run(llm, {"requests": WARMUP, "logprobs": 5, "prompt_logprobs": 5})
+    return time.perf_counter() - t0
 
 
 def main() -> int:
@@ -188,14 +213,15 @@ def main() -> int:
         from vllm import LLM
 
         llm = LLM(model=spec["model"], **spec["llm_kwargs"])
+        warmup_s = _warm_up(llm)
     except BaseException as e:  # noqa: BLE001 - every start-up failure is reported
         reply(_error(e))
         return 3
     # vllm_file: which vLLM tree this process imported (llmfuzz mutate checks it is the mutant's copy).
     # ready_at: the wall clock, so that a start run ahead is timed to when it was up, not to
     # when the campaign came to read it.
-    reply({"event": "ready", "startup_s": time.perf_counter() - t0, "import_s": import_s, "ready_at": time.time(),
-           "vllm_version": vllm.__version__, "vllm_file": vllm.__file__})
+    reply({"event": "ready", "startup_s": time.perf_counter() - t0, "import_s": import_s, "warmup_s": warmup_s,
+           "ready_at": time.time(), "vllm_version": vllm.__version__, "vllm_file": vllm.__file__})
     for line in sys.stdin:
         if not line.strip():
             continue
@@ -203,7 +229,7 @@ def main() -> int:
         if cmd.get("cmd") == "exit":
             break
         try:
-            reply(_run(llm, cmd, lambda step: reply({"event": "progress", "step": step})))
+            reply(_run(llm, cmd, lambda step, s: reply({"event": "progress", "step": step, "step_s": round(s, 3)})))
         except BaseException as e:  # noqa: BLE001 - a crash is a finding; report it and stop
             reply(_error(e))
             return 3

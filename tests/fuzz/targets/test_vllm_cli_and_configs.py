@@ -28,6 +28,7 @@ def _no_vllm(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
     monkeypatch.delenv("LLMFUZZ_VLLM_PYTHON", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", "/nonexistent/llmfuzz-test-cache")  # nor the default venv (launch.default_venv)
 
 
 def _one_line_exit_2(capsys, argv) -> str:

@@ -274,12 +274,20 @@ def test_a_seeded_request_whose_prompt_is_chunked_crashes_vllm_cpu(tmp_path):
         c.close()
 
 
-def _planted_check(tmp_path, monkeypatch, plant: str, case):
+def _planted_check(tmp_path, monkeypatch, plant: str, case, prefix_oracle: bool = True):
+    """`prefix_oracle=False`: without the `vllm_prefix_cache` judgement, to show what the
+    output checks alone see."""
+    from fuzz.targets.blackbox import BlackBoxChecker
     from fuzz.targets.vllm.checker import VLLMChecker
     from fuzz.targets.vllm.runner import VLLMRunner
 
+    class OutputsOnly(VLLMChecker):
+        def run(self, case, items=None, prompt_logprobs=False):
+            return BlackBoxChecker.run(self, case, items, prompt_logprobs)
+
     monkeypatch.setenv("LLMFUZZ_VLLM_PLANT", plant)
-    c = VLLMChecker(VLLMRunner(spare=False, log_dir=str(tmp_path / plant)), transformers=False)
+    c = (VLLMChecker if prefix_oracle else OutputsOnly)(VLLMRunner(spare=False, log_dir=str(tmp_path / plant)),
+                                                        transformers=False)
     try:
         return c.check(case)
     finally:
@@ -295,13 +303,16 @@ _B = _A[:31] + (_A[31] + 1,) + _A[32:]
 @pytest.mark.slow  # two engines
 def test_planted_prefix_hit_on_another_prompts_block_is_caught_against_the_reference(tmp_path, monkeypatch):
     pytest.importorskip("vllm")
-    from fuzz.targets.vllm.checker import VLLMvsReference
+    from fuzz.targets.vllm.checker import VLLMPrefixCache, VLLMvsReference
     from fuzz.targets.vllm.configs import VLLMOptions
 
     case = vllm_case(Workload((RequestSpec(_A, 4), RequestSpec(_B, 4, arrival_step=2))),
                      opts=VLLMOptions(enable_prefix_caching=True))
     _planted_check(tmp_path, monkeypatch, "", case)  # clean: B misses (its block 0 differs) and passes
     with pytest.raises(VLLMvsReference, match="r1"):
+        _planted_check(tmp_path, monkeypatch, "prefix_hash_ignores_last_token", case, prefix_oracle=False)
+    # With the prefix-cache oracle (on by default) it is caught first, by the reported hit alone.
+    with pytest.raises(VLLMPrefixCache, match="r1: reported 32 cached tokens, model allows 0..0"):
         _planted_check(tmp_path, monkeypatch, "prefix_hash_ignores_last_token", case)
 
 

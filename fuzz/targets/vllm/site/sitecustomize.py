@@ -29,6 +29,9 @@ process that never imports vLLM pays nothing.
   params allow);
   `prefix_hash_ignores_last_token`: a full block's prefix-cache hash leaves out its last
   token, so a prompt that differs from a cached one only there hits the other's KV;
+  `prefix_hash_ignores_salt`: the prefix-cache hash leaves out the request's cache salt, so
+  a request hits KV cached under another salt (the KV is the same, so no output differs:
+  only the reported hits, judged by the harness's own cache model, show it);
   `penalties_rows_reversed`: the sampler's penalties count the output tokens of the batch's
   rows in reverse order (each request penalised by another's history, as after a reorder
   that moved the rows but not their state);
@@ -158,6 +161,17 @@ def _patch_sampler(mod) -> None:
 
 
 def _patch_block_hash(mod) -> None:
+    if _PLANT == "prefix_hash_ignores_salt":
+        gen = mod.generate_block_hash_extra_keys
+
+        def generate_block_hash_extra_keys(request, *a, **kw):
+            keys, mm_idx = gen(request, *a, **kw)
+            # The planted bug: the cache salt is left out of the first block's hash.
+            keys = tuple(k for k in keys or () if not (isinstance(k, tuple) and k and k[0] == "cache_salt")) or None
+            return keys, mm_idx
+
+        mod.generate_block_hash_extra_keys = generate_block_hash_extra_keys
+        return
     if _PLANT != "prefix_hash_ignores_last_token":
         return
     orig = mod.hash_block_tokens
