@@ -4,7 +4,8 @@
     python reproducers/replay.py FILE [--json]
 
 Same as `llmfuzz replay FILE`: exit 1 if the case still fails as recorded, 4 if it fails with
-another violation, 0 if it passes now, 2 if the file is malformed (one line on stderr).
+another violation, 0 if it passes now, 2 if the file is malformed (one line on stderr). A
+reproducer with a `history` runs those earlier Cases first, on the same new engine.
 """
 from __future__ import annotations
 

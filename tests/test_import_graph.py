@@ -5,8 +5,8 @@ Layers, lowest first; a module imports only its own layer's or lower ones:
   scheduler and runner both import, and the FA contract is a leaf (torch and the standard
   library only);
 - the harness's base: `fuzz.errors`, `fuzz.stop`, `fuzz.profiles` (leaves), `fuzz.cases` (the
-  Case, its limits and its strategies, in that order), and `fuzz.targets.runs` (data-only: what a
-  black-box target returns);
+  Case, its limits and its strategies, in that order), `fuzz.targets.runs` (data-only: what a
+  black-box target returns) and `fuzz.contention` (the load a Case runs under: errors only);
 - `fuzz.guard` (the FA guard, loaded into other engines: the contract and itself only) and
   `fuzz.report` (the standard library only; the campaign bins its summary's error/tolerance
   with the report's decades);
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine", "fuzz", "bench", "llmfuzz")
 
 # Each layer of the harness and what it may import from engine/, fuzz/ and bench/ (prefixes).
-BASE = ("fuzz.errors", "fuzz.stop", "fuzz.profiles", "fuzz.cases", "fuzz.targets.runs")
+BASE = ("fuzz.errors", "fuzz.stop", "fuzz.profiles", "fuzz.cases", "fuzz.targets.runs", "fuzz.contention")
 ALLOWED = {
     "fuzz.errors": (), "fuzz.stop": (), "fuzz.profiles": (),
     "fuzz.pytest_plugin": ("fuzz.profiles",),
@@ -36,6 +36,7 @@ ALLOWED = {
     "fuzz.cases.drafting": ("engine", "fuzz.cases.case", "fuzz.cases.drafting_prompts"),
     "fuzz.cases.strategies": ("engine", "fuzz.cases.case", "fuzz.errors", "fuzz.cases.limits", "fuzz.cases.drafting"),
     "fuzz.targets.runs": ("fuzz.cases.case",),
+    "fuzz.contention": ("fuzz.contention", "fuzz.errors"),
     "fuzz.guard": ("fuzz.guard", "engine.attention.fa_contract"),
     "fuzz.report": ("fuzz.report",),
     "fuzz.verdict": ("engine", "fuzz.verdict") + BASE,

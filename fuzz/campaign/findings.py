@@ -78,8 +78,18 @@ def run_text(summary, shrink_report: dict | None) -> str:
         how = (f"Reproduce with: llmfuzz replay {f.path}" if f.path else
                "no reproducer written (the output directory refused it): the failing Case was printed as JSON above")
         out.append(f"\nFAILED {f.property}{by}: {f.message}\n  case: {f.case_desc}\n  {how}")
+        if getattr(f, "fresh_replay", None):  # a target that keeps state (fuzz.campaign.history)
+            out.append(f"  fresh replay: {_fresh_words(f)}")
+        rate = (f.meta or {}).get("replay_rate")
+        if rate:  # found under contention (fuzz.campaign.replay_rate)
+            out.append(f"  replayed: reproduces {rate['reproduced']}/{rate['runs']} under {rate['contention']}")
         if f.others:  # `llmfuzz merge`: the same failure in other shards, larger
             out.append(f"  also found as: {', '.join(f.others)}")
+    needing = [f for f in summary.failures if (getattr(f, "fresh_replay", None) or "").startswith("fails with")]
+    passing = [f for f in summary.failures if getattr(f, "fresh_replay", None) == "passes"]
+    if needing or passing:
+        out.append(f"\nfresh replay: {len(needing)} finding(s) needed earlier Cases (a history) to fail on a "
+                   f"fresh engine; {len(passing)} did not fail on a fresh engine at all (reproducible: false)")
     if summary.jobs > 1:
         out.append(f"\n{summary.jobs} worker processes" + (f"; {summary.repeats} failure(s) found again by "
                    "another worker, written once" if summary.repeats else ""))
@@ -96,6 +106,14 @@ def run_text(summary, shrink_report: dict | None) -> str:
     if summary.interrupted:
         out.append("(interrupted: summary so far)")
     return "\n".join(out)
+
+
+def _fresh_words(f) -> str:
+    if f.fresh_replay == "passes":
+        return "passes (did not fail on a fresh engine, not even after the Cases before it: not reproducible)"
+    if f.fresh_replay.startswith("fails with"):
+        return f"{f.fresh_replay} (the replay runs the earlier Cases first)"
+    return f.fresh_replay
 
 
 def _chunks(stream: str) -> str:

@@ -23,22 +23,29 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import sys
 import time
+from typing import Callable
 
 from hypothesis import HealthCheck, Phase, given, seed as hseed, settings, target
 
 from fuzz.campaign.sequential import SequentialVisits
+from fuzz.contention.command import enter_cell
+from fuzz.contention.coprocs import active
+from fuzz.campaign.replay_rate import TIMED_REPLAYS, replay_times
+from fuzz.campaign.reproduce import load_reproducer, update_reproducer
 from fuzz.campaign.findings import case_size
 from fuzz.verdict.engine_pool import pool_capacity_for
 from fuzz.verdict.harness import Harness
 from fuzz.verdict.isolated import make_harness
 from fuzz.verdict.properties import Violation
-from fuzz.campaign.recorder import Recorder
+from fuzz.campaign.history import Histories, recording_check
+from fuzz.campaign.settle import FreshRecorder, note_fresh, not_replayed
 from fuzz.campaign.shrink_phase import Pending, Shrunk, ShrinkPhase, shrink_one
 from fuzz.stop import check_stop, clear_stop, stop_requested
 from fuzz.cases.strategies import FUZZ_MODEL
-from fuzz.campaign.summary import CellDatabase, CellStats, Failure, Summary, drawn_events, note_example
+from fuzz.campaign.summary import CellDatabase, CellStats, Failure, Summary, drawn_events, note_example, visited
 from fuzz.targets.base import Cell, Target
 from fuzz.targets.reference import HarnessTarget
 
@@ -87,7 +94,10 @@ class Campaign(SequentialVisits):
                  oracles: frozenset[str] = frozenset(), fault_scope: str = "test",
                  target: Target | None = None, shrink_s: float | None = None, min_cell_s: float | None = None,
                  shrink_budget_s: float | None = None, keep_stop: bool = False, poison: str | None = None,
-                 share=None) -> None:
+                 share=None, clock: Callable[[], float] = time.monotonic) -> None:
+        # The campaign's clock: budgets, shares and deadlines are read on it. A test gives one it
+        # controls, so what it asserts does not depend on how loaded the machine is.
+        self.clock = clock
         self.fault_scope = fault_scope  # "everywhere": the faults are in every run (selftest --everywhere)
         self.poison = poison  # every Case's reset poison (engine/poison.py); None: drawn, alternating
         self.keep_stop = keep_stop  # a stop set before `run` stops it too (selftest: one stop for all faults)
@@ -132,10 +142,20 @@ class Campaign(SequentialVisits):
         # and the file an unfinished failure is on disk as until `_finish` replaces it.
         self._best: Violation | None = None
         self._shrink_end = float("inf")  # with `shrink_s`: where Hypothesis' shrink of `_best` stops
-        self.recorder = Recorder(out_dir, target, self.summary, progress,
-                                 claims=share.claims if share is not None else None)
+        self.recorder = FreshRecorder(out_dir, target, self.summary, progress,
+                                      claims=share.claims if share is not None else None)
+        # A target that keeps state: per cell, the Cases its engine served since it (re)started,
+        # each Violation given those before its Case (fuzz.campaign.history); every check goes
+        # through `_check`, the shrinker's too.
+        self.histories = Histories()
+        self._check = recording_check(target, self.histories, lambda: self._cell.name if self._cell else "")
         self._found: dict[tuple, tuple[float, int]] = {}  # per failure kind in the chunk: (seconds, examples before)
         self._cell, self._row = None, None  # the cell being fuzzed (Cell), and its summary row
+
+    def _real(self, t: float) -> float:
+        """Time `t` of the campaign's clock as a time.monotonic(), which the minimizer reads
+        (fuzz.campaign.shrink): the same time left."""
+        return time.monotonic() + (t - self.clock())
 
     def _find_end(self) -> float:
         """Where finding ends, and with it the shrinking a campaign does as it goes: the budget,
@@ -148,7 +168,7 @@ class Campaign(SequentialVisits):
             case = dataclasses.replace(case, fault_scope=self.fault_scope)
         if self.poison is not None and self.poison != case.poison:
             case = dataclasses.replace(case, poison=self.poison)
-        now = time.monotonic()
+        now = self.clock()
         if self._best is not None and now > self._shrink_end and self.target.hypothesis_shrinks:
             # Hypothesis' shrink has had its `shrink_s`: end it (passing Cases would not: it
             # would go on drawing candidates, each a strategy draw) and keep the smallest so far.
@@ -166,43 +186,50 @@ class Campaign(SequentialVisits):
             # depend on which earlier chunks this process ran (a worker runs only some).
             target(self._passed[key], label="error/tolerance")
             return
-        t0, counted = time.perf_counter(), True
+        t0, counted = self.clock(), True
+        # After a failure in the chunk, Hypothesis runs candidates to shrink it: counted as the
+        # cell's shrink checks, not as its examples (nor in its reach or error distribution).
+        shrinking = self._best is not None
         cell = self.summary.cells.setdefault(self.target.stats_key(case), CellStats())
         try:
-            v = self.target.check(case)
+            v = self._check(case)
             counted = self.target.checked(v)
             ratio = min(v.logits.ratio, 1e6)
             target(ratio, label="error/tolerance")
-            self.target.record(cell, v)
-            if counted:  # the per-cell distribution a green run reports (how far from failing)
+            if not shrinking:
+                self.target.record(cell, v)
+            if counted and not shrinking:  # the per-cell distribution a green run reports (how far from failing)
                 note_example(cell, ratio, getattr(getattr(case, "config", None), "dtype", None), drawn_events())
             self._passed[key] = ratio
         except Violation as v:
             self._seen(v)
             raise
         finally:
-            cell.examples += counted
-            cell.seconds += time.perf_counter() - t0
-            self.summary.examples += counted
+            if shrinking:
+                cell.add_shrink(counted, self.clock() - t0)
+            else:
+                cell.examples += counted
+                cell.seconds += self.clock() - t0
+                self.summary.examples += counted
             self._print_progress()
 
     def _seen(self, v: Violation) -> None:
         """Hypothesis saw `v` fail: found, or a smaller version while shrinking. The first is
         on disk at once, before shrinking: nothing is lost if the campaign is killed mid-shrink."""
         if self.summary.first_failure_s is None:
-            self.summary.first_failure_s = time.monotonic() - self._t0
+            self.summary.first_failure_s = self.clock() - self._t0
             self.summary.first_failure_examples = self.summary.examples + 1
-        self._found.setdefault(_kind(v), (time.monotonic() - self._t0, self.summary.examples))
+        self._found.setdefault(_kind(v), (self.clock() - self._t0, self.summary.examples))
         first, self._best = self._best is None, v
         if first and self.shrink_s is not None:  # Hypothesis' shrink gets what the minimizer would
-            self._shrink_end = time.monotonic() + self.shrink_s
+            self._shrink_end = self.clock() + self.shrink_s
         if first and self._triage(v) == "new":
             self._persist(v, final=False)
 
     def _persist(self, v: Violation, *, final: bool, minimal: bool = False) -> str | None:
         """Write `v`; None when it could not be (its Case went to stderr). Another worker's
         reproducer of the same Case and property is left as it is (`recorder.elsewhere`)."""
-        found = self._found.get(_kind(v)) or (time.monotonic() - self._t0, self.summary.examples)
+        found = self._found.get(_kind(v)) or (self.clock() - self._t0, self.summary.examples)
         return self.recorder.persist(v, final=final, found=found, minimal=minimal)
 
     def _triage(self, v: Violation) -> str:
@@ -269,7 +296,7 @@ class Campaign(SequentialVisits):
         return found, stopped
 
     def _print_progress(self, force: bool = False) -> None:
-        now = time.monotonic()
+        now = self.clock()
         tty = sys.stderr.isatty()
         # A worker's lines go to the parent, which sums them into its own progress line.
         every = 2.0 if self.share is not None else 1.0 if tty else 15.0
@@ -280,7 +307,7 @@ class Campaign(SequentialVisits):
         done = min(20, int(20 * el / self.budget_s)) if self.budget_s else 20
         line = (f"[{'#' * done}{'.' * (20 - done)}] {el:5.0f}s/{self.budget_s:.0f}s "
                 f"{s.examples} examples ({s.examples / max(el, 1e-9):.2f}/s) "
-                f"{self.target.unit} {len({k[0] for k in s.cells})}/{len(self.cells)} failures {len(s.failures)}")
+                f"{self.target.unit} {len(visited(s.cells))}/{len(self.cells)} failures {len(s.failures)}")
         sys.stderr.write("\r" + line if tty else line + "\n")
         sys.stderr.flush()
 
@@ -289,19 +316,25 @@ class Campaign(SequentialVisits):
         minimize it further within the budget (unless `shrink` is off or finding is over),
         write it once, record it in the summary (one not minimal yet is left to the shrink
         phase), print it. True when a stop (SIGINT/SIGTERM) arrived while minimizing: the
-        smallest version so far is written."""
+        smallest version so far is written. A target that keeps state has it replayed on a
+        fresh engine first (shrink_one; fuzz.campaign.history): the file says what that showed."""
         verdict = self._triage(v)
         if verdict != "new":
             self._skip(v, verdict)
             return False
-        t0, row = time.monotonic(), self.target.stats_key(v.case)  # counted where it was found
+        t0, row = self.clock(), self.target.stats_key(v.case)  # counted where it was found
         found_s, before = self._found.get(_kind(v)) or (t0 - self._t0, self.summary.examples)
         r = Shrunk(v, 0, False)
         if shrink and t0 < self._find_end():
             deadline = self._find_end() if self.shrink_s is None else min(self._find_end(), t0 + self.shrink_s)
-            r = shrink_one(v, self.target, deadline, self.target.max_shrink_checks, check_stop)
+            r = shrink_one(v, self.target, self._real(deadline), self.target.max_shrink_checks, check_stop,
+                           check=self._check)
+            self.summary.cells.setdefault(row, CellStats()).add_shrink(r.checks, self.clock() - t0)
         v, case = r.violation, r.violation.case
+        if getattr(self.target, "keeps_state", False):  # written as it is, not replayed on a fresh engine: say so
+            not_replayed(v, "interrupted" if r.stopped else "no time was left to replay it on a fresh engine")
         path = self._persist(v, final=True, minimal=r.minimal)
+        r = dataclasses.replace(r, minimal=self.recorder.minimal)  # as the file says (the recorder decides)
         if path is not None and self.recorder.elsewhere:
             # Another worker found and wrote this very reproducer first: a repeat, not a second file.
             self.summary.repeats += 1
@@ -313,11 +346,13 @@ class Campaign(SequentialVisits):
                         self._cell.name, {"signature": getattr(v, "signature", None), "shrink_checks": r.checks,
                                           "row": self.target.stats_key(case)[0], "counted_in": list(row)},
                         seconds_to_find=round(found_s, 2), examples_before=before, size=case_size(case),
-                        minimal=r.minimal, shrink_seconds=round(time.monotonic() - t0, 2))
+                        minimal=r.minimal, shrink_seconds=round(self.clock() - t0, 2))
+            note_fresh(f, v)
             self.summary.failures.append(f)
             self.summary.cells.setdefault(row, CellStats()).failures += 1
             if shrink and not r.stopped and not r.minimal and r.reproducible and path is not None:
                 self._pending.append(Pending(f, v, confirmed=r.checks > 0))
+        self.histories.after(self._cell.name, v, self.target.ends_cell(v))
         if self.target.ends_cell(v):
             self._row.stopped = f"crashed ({v.property}: {getattr(v, 'signature', None)})"
         if self.progress:
@@ -338,6 +373,7 @@ class Campaign(SequentialVisits):
     def _visit(self, cell: Cell, row: CellStats, i: int, end: float, examples: int | None = None) -> bool:
         """One chunk on `cell`, its failures finished. True when the campaign should stop."""
         self._cell, self._row = cell, row
+        enter_cell(cell.name)  # `run --contention draw`: this cell's load (fuzz/contention/command.py)
         found, stopped = self._find(cell, i, end, examples)
         for v in found:  # after a stop, the rest are written as they are
             stopped = self._finish(v, shrink=not stopped) or stopped
@@ -360,7 +396,7 @@ class Campaign(SequentialVisits):
         # number of examples (a tp8 example costs ten of tp1's; counted in examples, the small
         # layouts, where most bugs show first, got a few examples a minute).
         spent = [0.0] * len(self.cells)
-        while time.monotonic() < self._deadline:
+        while self.clock() < self._deadline:
             check_stop()
             if self.share is not None and self.share.ended():
                 return
@@ -371,25 +407,40 @@ class Campaign(SequentialVisits):
             fresh = [c for c in range(len(self.cells)) if k[c] == stream]  # not visited yet
             c = fresh[0] if fresh else min(range(len(self.cells)), key=lambda j: (spent[j], j))
             first_round = k[c] == 0 and self.cells_total > 1
-            t = time.monotonic()
+            t = self.clock()
             if self._visit(self.cells[c], CellStats(), k[c], self._deadline, 1 if first_round else None):
                 return
             if not first_round:
-                spent[c] += time.monotonic() - t
+                spent[c] += self.clock() - t
             k[c] += streams
 
     def _shrink_phase(self) -> None:
         """After the budget: minimize what it cut short, within `shrink_budget_s`."""
         phase = ShrinkPhase(self.target, self.shrink_budget_s, self.recorder.rewrite, check_stop,
-                            max_checks=10 * self.target.max_shrink_checks, progress=self.progress)
+                            max_checks=10 * self.target.max_shrink_checks, progress=self.progress,
+                            check=self._check)
+        phase.clock = self.clock
         try:
             if phase.run(self._pending):
                 self.summary.interrupted = True
         finally:
             self.shrink_report = phase.report(self._pending)
 
+    def _rate_findings(self) -> None:
+        """Under contention, each finding's reproducer (as small as it got) is replayed
+        TIMED_REPLAYS times under the same load, on the same engine, and its rate written into
+        it and the summary: a race shows at a rate, not every time."""
+        for f in self.summary.failures:
+            if f.path is None or not os.path.exists(f.path):
+                continue
+            rate = replay_times(self._check, load_reproducer(f.path), TIMED_REPLAYS, stop=stop_requested)
+            f.meta["replay_rate"] = rate.to_json()
+            update_reproducer(f.path, replay_rate=rate.to_json())
+            if self.progress:
+                sys.stderr.write(f"RATE {f.property}: {rate.line()}\n  {f.path}\n")
+
     def run(self) -> Summary:
-        self._t0 = time.monotonic()
+        self._t0 = self.clock()
         self._deadline = self._t0 + self.budget_s
         self.target.begin(self.budget_s)
         if not self.keep_stop:
@@ -404,6 +455,8 @@ class Campaign(SequentialVisits):
                 self._run_round_robin()
             if self._pending and not self.summary.interrupted:
                 self._shrink_phase()
+            if active() is not None and not self.summary.interrupted:
+                self._rate_findings()
         except KeyboardInterrupt:
             self.summary.interrupted = True
         except Exception:
@@ -411,7 +464,7 @@ class Campaign(SequentialVisits):
                 raise
             self.summary.interrupted = True
         finally:
-            self.summary.seconds = time.monotonic() - self._t0
+            self.summary.seconds = self.clock() - self._t0
             self._print_progress(force=True)
             if self.progress:
                 sys.stderr.write("\n")

@@ -107,7 +107,9 @@ class Replay:
 def replay(path: str, target=None, engine_for=None) -> Replay:
     """Run the reproducer at `path` again: on `target` if given (an adapter's reproducer needs
     its target), else on `engine_for(reproducer)`, the engine it names (ours, or vLLM: the
-    CLI's choice, which `llmfuzz.replay` passes in), closed after."""
+    CLI's choice, which `llmfuzz.replay` passes in), closed after. A reproducer with a
+    `history` (fuzz.campaign.history) runs those Cases first on the same target: give it one
+    that has served nothing yet, as the fresh engine the history was found to need."""
     repro = load_reproducer(path)
     own = target is None
     if own:

@@ -18,6 +18,7 @@ import sys
 
 from fuzz.campaign.findings import case_size
 from fuzz.campaign.reproduce import case_id, write_reproducer
+from fuzz.campaign.summary import CellStats
 
 
 class Claims:
@@ -64,6 +65,9 @@ class Recorder:
         self.unfinished_path: str | None = None  # the file an unfinished failure is on disk as
         self.claims = claims  # None: this process is the directory's only writer
         self.elsewhere = False  # the last `persist`: another worker had recorded this reproducer
+        # Whether the last failure written is minimal, as its file says: the one decision the
+        # summary and stderr repeat (a shrink that skipped candidates for time is not minimal).
+        self.minimal: bool | None = None
 
     def write(self, v, extra: dict) -> str | None:
         """Write a reproducer (with `extra` top-level fields: when it was found, whether it is
@@ -72,6 +76,7 @@ class Recorder:
         meta = {**self.target.reproducer_meta(v.case, v), **extra}
         if meta.get("shrink_candidates_skipped_for_time"):  # a shrink cut short is not minimal
             meta["minimal"] = False
+        self.minimal = meta.get("minimal")
         try:
             return write_reproducer(self.out_dir, v.case, v.property, v.message, v.error_ratio,
                                     v.oracle, v.second_opinion, meta)
@@ -104,7 +109,7 @@ class Recorder:
     def _write_claimed(self, v, extra: dict, reg: dict | None, kind: str) -> str | None:
         """Write `v` and hold its file as `kind`; when another worker holds it as final (its
         recorded failure, the same Case and property), leave its file and say so (`elsewhere`)."""
-        self.elsewhere = False
+        self.elsewhere, self.minimal = False, extra.get("minimal")
         if reg is None:
             return self.write(v, extra)
         path = os.path.join(self.out_dir, v.property, f"{case_id(v.case)}.json")  # as write_reproducer names it
@@ -139,10 +144,13 @@ class Recorder:
     def rewrite(self, p, r, seconds: float) -> None:
         """The shrink phase's result `r` (fuzz.campaign.shrink_phase.Shrunk) for pending failure `p`:
         written over its earlier version (which stays when the write fails), its summary
-        record (fuzz.targets.base.Failure) updated."""
+        record (fuzz.targets.base.Failure) and its row's shrink checks updated. `minimal` is
+        what the file says (`write` decides), on stderr and in the summary alike."""
         f, v = p.failure, r.violation
         f.shrink_seconds = round(f.shrink_seconds + seconds, 2)
         f.meta["shrink_checks"] = f.meta.get("shrink_checks", 0) + r.checks
+        row = tuple(f.meta.get("counted_in") or self.target.stats_key(v.case))  # where it was found
+        self.summary.cells.setdefault(row, CellStats()).add_shrink(r.checks, seconds)
         with self._shared() as reg:
             path = self._write_claimed(v, {"minimal": r.minimal, "seconds_to_find": f.seconds_to_find,
                                            "examples_before": f.examples_before}, reg, "final")
@@ -150,12 +158,12 @@ class Recorder:
                 return
             # Shrunk onto another worker's reproducer: the same failure now; the merged summary
             # (fuzz.campaign.jobs) counts it once, as a repeat.
-            old, p.violation, f.minimal = f.path, v, r.minimal
+            old, p.violation, f.minimal = f.path, v, self.minimal
             f.path, f.message, f.case_desc, f.error_ratio = path, v.message, v.case.describe(), v.error_ratio
             f.oracle, f.second_opinion, f.size = v.oracle, v.second_opinion, case_size(v.case)
             f.meta["row"] = self.target.stats_key(v.case)[0]
             self._drop(old, path, reg)
         if self.progress:
-            sys.stderr.write(f"\nSHRUNK {f.property} ({'minimal' if r.minimal else 'not minimal yet'}, "
+            sys.stderr.write(f"\nSHRUNK {f.property} ({'minimal' if f.minimal else 'not minimal yet'}, "
                              f"{r.checks} checks, {seconds:.1f}s): {f.case_desc}\n  -> {path}\n")
             sys.stderr.flush()

@@ -67,8 +67,11 @@ def replays_for(repro: Reproducer, asked: int | None, contention: object) -> int
 
 
 def replay_times(target, repro: Reproducer, n: int, stop=None) -> Rate:
-    """Run `repro` on `target` `n` times (fewer if `stop()` says so after a replay)."""
+    """Run `repro` on `target` (a target, or its check function) `n` times (fewer if `stop()`
+    says so after a replay)."""
     rate = Rate(contention=active())
+    if callable(target) and not hasattr(target, "check"):
+        target = _Checking(target)
     for _ in range(n):
         verdict, violation = replay_on(target, repro)
         rate.verdicts.append(verdict)
@@ -76,3 +79,10 @@ def replay_times(target, repro: Reproducer, n: int, stop=None) -> Rate:
         if stop is not None and stop():
             break
     return rate
+
+
+class _Checking:
+    """A check function where replay_on wants a target."""
+
+    def __init__(self, check) -> None:
+        self.check = check

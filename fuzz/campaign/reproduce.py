@@ -15,8 +15,13 @@ import tempfile
 from dataclasses import dataclass
 
 from fuzz.cases.case import Case, CaseFormatError
+from fuzz.contention.coprocs import active
 
-REPRO_FORMAT = 1
+# The newest reproducer format this llmfuzz reads. 2: a `history` of earlier Cases a replay runs
+# first (fuzz.campaign.history); a reproducer without one is still written as format 1, so any
+# llmfuzz reads it, and one with one is refused by an llmfuzz that would replay the Case alone.
+REPRO_FORMAT = 2
+REPRO_FORMAT_PLAIN = 1
 LLMFUZZ_VERSION = "0.1.0"
 
 
@@ -28,6 +33,7 @@ class Reproducer:
     error_ratio: float | None = None
     path: str | None = None
     meta: dict | None = None
+    history: tuple = ()  # Cases a replay runs first, on the same fresh engine (format 2)
 
 
 def case_id(case: Case) -> str:
@@ -48,7 +54,8 @@ def write_reproducer(out_dir: str, case: Case, prop: str, message: str,
     path = os.path.join(d, f"{case_id(case)}.json")
     ratio = None if error_ratio is None or error_ratio != error_ratio else error_ratio
     doc = {
-        "format": REPRO_FORMAT, "llmfuzz_version": LLMFUZZ_VERSION, "torch_version": torch.__version__,
+        "format": REPRO_FORMAT if meta and meta.get("history") else REPRO_FORMAT_PLAIN,
+        "llmfuzz_version": LLMFUZZ_VERSION, "torch_version": torch.__version__,
         "device": case.config.device, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "property": prop, "message": message, "oracle": oracle, "second_opinion": second_opinion,
         "error_ratio": ratio if ratio is None or ratio != float("inf") else "inf",
@@ -56,6 +63,8 @@ def write_reproducer(out_dir: str, case: Case, prop: str, message: str,
     }
     if meta:
         doc.update({k: v for k, v in meta.items() if k not in doc})
+    if "contention" not in doc and active() is not None:  # the load it failed under: replay restores it
+        doc["contention"] = active()
     if case.target != "reference":
         doc["replay"] = f"llmfuzz replay {path}"
     write_json_atomic(path, doc)
@@ -81,6 +90,15 @@ def write_json_atomic(path: str, doc: dict) -> None:
         raise
 
 
+def update_reproducer(path: str, **fields) -> None:
+    """Add top-level `fields` to the reproducer at `path`, atomically (what was learned of it
+    after it was written: its replay rate)."""
+    with open(path) as f:
+        doc = json.load(f)
+    doc.update(fields)
+    write_json_atomic(path, doc)
+
+
 def load_reproducer(path: str) -> Reproducer:
     """Parse a reproducer; any problem is a CaseFormatError with one line naming it."""
     try:
@@ -104,13 +122,15 @@ def load_reproducer(path: str) -> Reproducer:
     if "case" not in doc:
         raise CaseFormatError(f"{path}: 'case' missing")
     try:
-        case = _migrate(Case.from_dict(doc["case"]), doc)
+        from fuzz.campaign.history import parse_history
+
+        case, history = _migrate(Case.from_dict(doc["case"]), doc), parse_history(doc)
     except CaseFormatError as e:
         raise CaseFormatError(f"{path}: {e}") from None
     ratio = doc.get("error_ratio")
     return Reproducer(case, str(doc.get("property", "unknown")), str(doc.get("message", "")),
                       float(ratio) if isinstance(ratio, (int, float, str)) and ratio is not None else None,
-                      path, {k: v for k, v in doc.items() if k != "case"})
+                      path, {k: v for k, v in doc.items() if k not in ("case", "history")}, history)
 
 
 def _migrate(case: Case, doc: dict) -> Case:
@@ -152,10 +172,13 @@ def message_kind(prop: str, message: str) -> str:
 
 
 def replay_on(target, repro: Reproducer) -> tuple[str, Exception | None]:
-    """Run the reproducer's Case on `target` once: its `replay_verdict` and the Violation
-    raised (None when it passed)."""
+    """Run the reproducer's Case on `target` once (after its history, where it has one: the
+    earlier Cases, on the same engine): its `replay_verdict` and the Violation raised (None
+    when it passed)."""
+    from fuzz.campaign.history import run_history
     from fuzz.verdict.properties import Violation
 
+    run_history(target.check, repro.history)
     try:
         target.check(repro.case)
     except Violation as v:
@@ -184,6 +207,11 @@ def replay_report(repro: Reproducer, violation: Exception | None) -> str:
     """cargo-fuzz style text for a replayed reproducer."""
     p = repro.path or "FILE"
     lines = [f"Failing case: {repro.case.describe()}", f"  file: {p}"]
+    if repro.history:  # fuzz.campaign.history: the Case alone passes on a fresh engine
+        lines += [f"  after {len(repro.history)} earlier Case(s) on the same engine (its `history`, run first): "
+                  "the Case alone passed on a fresh engine"]
+    if (repro.meta or {}).get("fresh_replay") == "passes":
+        lines += ["  note: when written, this did not fail on a fresh engine (reproducible: false)"]
     if violation is None:
         lines += ["What was violated: nothing now; the case passes "
                   f"(recorded: {repro.property}: {repro.message})"]

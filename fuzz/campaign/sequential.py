@@ -5,12 +5,15 @@ one loop (`_visit`: find, then finish each failure) it drives.
 from __future__ import annotations
 
 import sys
-import time
 
 from fuzz.verdict.properties import Violation
 from fuzz.stop import check_stop
 from fuzz.targets.base import Cell, Unsupported
 from fuzz.campaign.summary import CellStats
+
+
+# Why a sequential cell that started has no row of examples (its engine up, no example checked).
+NOT_VISITED = "not visited: no example checked"
 
 
 class SequentialVisits:
@@ -33,13 +36,22 @@ class SequentialVisits:
         condition of time to spare; the cells after it share what is left.
         A cell's costs are added to its row however it ends (Target.cell_done). A shard's cell
         keeps its place in the whole campaign (`share.positions`) and runs its stream of the
-        chunks: the seeds one machine uses."""
+        chunks: the seeds one machine uses. A cell that ends with no example checked is not
+        visited, and its row says so.
+        Where the cells end before the budget does (the last one ended by a crash, or refused),
+        the time left goes to the shrink phase: it minimizes what the cells left unfinished."""
+        if self._visit_cells():
+            self.shrink_budget_s += max(0.0, self._deadline - self.clock())
+
+    def _visit_cells(self) -> bool:
+        """`_run_sequential`'s visits: True when every cell had its turn before the deadline
+        and no stop ended one."""
         share = self.share
         stream, streams = (share.stream, share.streams) if share is not None else (0, 1)
         for ci, cell in enumerate(self.cells):
-            now = time.monotonic()
+            now = self.clock()
             if now >= self._deadline:
-                return
+                return False
             if self.target.prestarts:
                 fuzz_share = self._prestarted_share(ci, now)
             else:
@@ -53,11 +65,11 @@ class SequentialVisits:
                 nxt = self.cells[ci + 1] if ci + 1 < len(self.cells) else None
                 if nxt is not None:  # its start-up runs beside this cell's examples
                     self.target.prestart(nxt)
-                started = time.monotonic()
+                started = self.clock()
                 end, j = max(min(started + fuzz_share, self._deadline),
                              started + min(self.min_cell_s, self.budget_s)), stream
                 while not row.stopped:
-                    now = time.monotonic()
+                    now = self.clock()
                     if now >= end:
                         # The next engine still starting, or this cell short of examples: the
                         # time goes to this cell's examples while the cells left can still all be
@@ -71,10 +83,13 @@ class SequentialVisits:
                         end = min(now + self.WAIT_SLICE_S, self._deadline)
                     check_stop()
                     if self._visit(cell, row, place * 1009 + j, end):
-                        return
+                        return False
                     j += streams
             finally:
+                if not row.visited() and not row.stopped:  # started, but the time ran out before an example
+                    row.stopped = NOT_VISITED
                 self.target.cell_done(cell, row)
+        return True
 
     def _prestarted_share(self, ci: int, now: float) -> float:
         """Cell `ci`'s share where each later start runs beside the cell before it, which lasts

@@ -17,7 +17,7 @@ from fuzz.report.svg import DECADE_KEYS, decade_key, ratio_text
 class CellStats:
     """One cell's row of the summary: what ran, for how long, what failed and why it stopped."""
 
-    examples: int = 0
+    examples: int = 0  # Cases checked while finding (a shrink's candidates are `shrink_checks`)
     seconds: float = 0.0
     engine_seconds: float = 0.0
     failures: int = 0
@@ -33,6 +33,35 @@ class CellStats:
     ratio_hist: dict = field(default_factory=dict)
     ratio_max: float | None = None
     events: dict = field(default_factory=dict)
+    # Checks run to shrink the row's failures (Hypothesis' shrink, the minimizer, the shrink
+    # phase), and their seconds: apart from `examples`, so a crash's shrink does not read as depth.
+    shrink_checks: int = 0
+    shrink_seconds: float = 0.0
+
+    def add_shrink(self, checks: int, seconds: float) -> None:
+        self.shrink_checks += checks
+        self.shrink_seconds += seconds
+
+    def visited(self) -> bool:
+        """Whether the row checked an example: a config started or refused with none is not visited."""
+        return self.examples > 0
+
+
+def row_name(key: tuple) -> str:
+    """A summary row's key as the tables print it: "layout/mode", or a config's name alone."""
+    return "/".join(k for k in key if k)
+
+
+def visited(cells: dict) -> list[str]:
+    """The cells (a row key's first part: a layout, a config) with a row that checked an example."""
+    return sorted({k[0] for k, c in cells.items() if c.visited()})
+
+
+def not_visited(cells: dict, planned=()) -> list[str]:
+    """The rows with no example checked (refused, failed to start, out of time), by `row_name`,
+    then the `planned` cells with no row at all (never reached)."""
+    rows = [row_name(k) for k, c in cells.items() if not c.visited()]
+    return rows + [n for n in planned if n not in {k[0] for k in cells}]
 
 
 def prefix_caching_row(c: CellStats) -> dict:
@@ -181,6 +210,10 @@ class Failure:
     shrink_seconds: float = 0.0
     # `llmfuzz merge`: the same failure (same_failure) found in other shards, their reproducers.
     others: list = field(default_factory=list)
+    # A target that keeps state (fuzz.campaign.history): its fresh replay ("fails", "fails with
+    # history of N", "passes", "not run"; None: the target keeps none) and the earlier Cases it needs.
+    fresh_replay: str | None = None
+    history: int = 0
 
 
 @dataclass
@@ -208,22 +241,30 @@ class Summary:
     shard: Any = None
     shards: list = field(default_factory=list)
 
+    def not_visited(self) -> list[str]:
+        """The cells with no example checked; for a target visited config by config (its planned
+        cells are its rows), the planned ones never reached too."""
+        return not_visited(self.cells, self.planned if getattr(self.target, "sequential", False) else ())
+
     def to_json(self) -> dict:
         own = self.target.summary_json(self) if self.target is not None else None
         if own is not None:
-            return own
+            return {**own, "not_visited": self.not_visited(), **fresh_counts(self.failures, each=True)}
         total = all_cells(self.cells.values())
         for c in self.cells.values():
             add_measured(total, vars(c))
         measured = measured_row(total)
         return {
             "examples": self.examples, "failures": len(self.failures),
-            "layouts": sorted({k[0] for k in self.cells}), "modes": sorted({k[1] for k in self.cells}),
+            "layouts": visited(self.cells), "modes": sorted({k[1] for k, c in self.cells.items() if c.visited()}),
+            "not_visited": self.not_visited(),
             "seconds": round(self.seconds, 2), "reproducers": [f.path for f in self.failures],
             "failure_details": [{k: v for k, v in f.__dict__.items()
                                  if k not in ("cell", "meta") and (v or k != "others")} for f in self.failures],
             "per_cell": {f"{k[0]}/{k[1]}": {"examples": c.examples, "failures": c.failures,
                                              "examples_per_s": round(c.examples / c.seconds, 2) if c.seconds else None,
+                                             "shrink_checks": c.shrink_checks,
+                                             "shrink_seconds": round(c.shrink_seconds, 2),
                                              **measured_row(c), **prefix_caching_row(c), **async_overlap_row(c),
                                              **reach_row(c)}
                          for k, c in sorted(self.cells.items())},
@@ -232,6 +273,7 @@ class Summary:
             "reach": {**prefix_caching_row(total), **async_overlap_row(total), **reach_row(total)},
             "interrupted": self.interrupted, "write_errors": self.write_errors,
             "duplicates_skipped": self.duplicates, "jobs": self.jobs, "repeats": self.repeats,
+            **fresh_counts(self.failures),
             **({"workers": self.workers} if self.workers else {}),
             **({"shard": str(self.shard)} if self.shard is not None else {}),
             **({"shards": self.shards} if self.shards else {}),
@@ -254,7 +296,23 @@ class Summary:
         worst = max((c.ratio_max for c in self.cells.values() if c.ratio_max is not None), default=None)
         rows.append(f"{'total':<17}{self.examples:>9}{self.examples / max(self.seconds, 1e-9):>8.2f}"
                     f"{len(self.failures):>10}{_max_col(worst)}{_reach_cols(all_cells(self.cells.values()))}")
+        rows += [f"not visited: {n} (no example checked)" for n in self.not_visited()]
         return "\n".join(rows)
+
+
+def fresh_counts(failures, each: bool = False) -> dict:
+    """How many findings needed an earlier Case's state to fail on a fresh engine, and how many
+    did not fail on one at all (fuzz.campaign.history); {} where the target keeps no state.
+    `each`: each finding's fresh replay too (a target's own summary may not list it)."""
+    states = [f.fresh_replay for f in failures if f.fresh_replay is not None]
+    if not states:
+        return {}
+    out = {"findings_needing_history": sum(s.startswith("fails with history") for s in states),
+           "findings_passing_fresh": sum(s == "passes" for s in states)}
+    if each:
+        out["fresh_replays"] = [{"path": f.path, "fresh_replay": f.fresh_replay, "history": f.history}
+                                for f in failures if f.fresh_replay is not None]
+    return out
 
 
 def summary_doc(summary, shrink_report: dict | None) -> dict:

@@ -129,6 +129,12 @@ def _minimize_under(args, repro, target, n: int) -> int:
     small, checks, minimal = minimize_to_fixpoint(repro.case, sh.still_fails, simpler=target.simpler)
     v = sh.best
     meta = {**target.reproducer_meta(small, v), "minimal": minimal}
+    if repro.history:  # the earlier Cases it needs stay with it (fuzz.campaign.history)
+        from fuzz.campaign.history import history_fields
+
+        # Its candidates ran one after another on the engine the history warmed, not each on a
+        # fresh one: nothing shows the result minimal.
+        meta.update(history_fields(repro.history), minimal=False)
     said = ""
     if n > 1:  # the shrunk Case's own rate, under the same load
         shrunk = replay_times(target, Reproducer(small, repro.property, repro.message, meta=repro.meta), n)

@@ -77,6 +77,15 @@ class EngineTarget:
     top_k = 5  # raw logprobs asked for at each position
     supports_sampling = False  # True: generate honours Request.sampling (else such Cases are refused)
     supports_prompt_logprobs = False  # True: generate returns prompt_logprobs when a Request asks
+    # True: the engine may carry state from one generate call to the next (a persistent batch,
+    # a cache), so a failure is replayed on a brand-new instance, in a new process, before it
+    # is written as reproducible (docs/targets.md). False: every call starts from scratch.
+    keeps_state = True
+
+    def fresh_init(self) -> dict:
+        """Keyword arguments (JSON) that make a brand-new instance of this class in a new
+        process, where it is imported by `module:qualname` (the fresh replay)."""
+        return {}
 
     def generate(self, config: EngineConfig, requests: list[Request]):
         """Completions of `requests` on the engine for `config` (see the module docstring)."""

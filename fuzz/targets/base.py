@@ -7,6 +7,8 @@ A target gives
 - `check(case) -> Verdict` (fuzz.verdict.harness.Verdict), or raises a fuzz.verdict.properties.Violation;
 - `simpler(case)`: candidate simpler Cases for the minimizer, most aggressive first;
 - `reproducer_meta(case, violation)`: extra top-level JSON fields for its reproducer;
+- `keeps_state` and `fresh_check(case, history)`: whether its engine carries state from Case to
+  Case, and a replay on a brand-new engine (fuzz.campaign.history, fuzz.targets.fresh);
 and the policies a campaign takes from it (defaults: the reference engine's): how it visits
 cells, how long it spends on each and on shrinking, which failures it writes, and what its
 clock starting means. Targets: `fuzz.targets.reference.HarnessTarget` (the white-box
@@ -30,6 +32,11 @@ class Unsupported(Exception):
     """The engine refuses a cell's config by design (not a failure): the cell is skipped."""
 
 
+class FreshUnavailable(Exception):
+    """A fresh replay (`Target.fresh_check`) could not run: no new engine could be had, or it
+    did not answer. Nothing is known about the failure on a fresh engine."""
+
+
 class Target(abc.ABC):
     """Base class: the interface, with the reference engine's policies as defaults."""
 
@@ -45,6 +52,26 @@ class Target(abc.ABC):
     # A sequential cell whose share ran out with fewer checked examples than this goes on, up
     # to STRETCH x its share, while the cells left keep their least time (0: time alone decides).
     min_cell_examples = 0
+
+    max_fresh_checks = 24  # fresh replays a failure's history shrink may spend (fuzz.campaign.history)
+    fresh = "process"  # how the last `fresh_check` had its engine (fuzz.targets.fresh: PROCESS, IN_PROCESS, RESTARTED)
+
+    @property
+    def keeps_state(self) -> bool:
+        """Whether the engine keeps state from one Case to the next (a persistent batch, a
+        cache), so that a failure may need an earlier Case: the campaign then keeps each
+        cell's history and replays a failure on a fresh engine (`fresh_check`) before it calls
+        it reproducible or minimal. By default, a target that can replay that way; the
+        reference engine resets (and poisons) between Cases and keeps none. A subclass may
+        set it (a class attribute) either way."""
+        return type(self).fresh_check is not Target.fresh_check
+
+    def fresh_check(self, case, history=()):
+        """Run the Cases `history` (oldest first), then `case`, on a brand-new engine (in a new
+        process where the target can): the Violation `case` raises, else None. A history
+        Case's own failure is passed over. Sets `fresh` to how the engine was had; raises
+        FreshUnavailable when no fresh engine could run them (fuzz.targets.fresh runs them)."""
+        raise FreshUnavailable(f"{type(self).__name__} cannot start a fresh engine")
 
     def shrink_per_failure_s(self, budget_s: float) -> float | None:
         """Seconds to minimize each failure while finding (None: up to the end of finding)."""

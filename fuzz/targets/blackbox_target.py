@@ -8,7 +8,10 @@ protocol in fuzz.targets.blackbox, checked by `BlackBoxChecker`, fuzzed by the n
 - check: the checker's verdict; simpler: fuzz.targets.simpler's candidates;
 - a crash writes one reproducer per signature (found again in another cell: counted);
 - reproducers name the target (`blackbox_target`): `llmfuzz.replay(path, target=...)` runs
-  them again on it.
+  them again on it;
+- state: the runner's `keeps_state` (absent: True); a failure is replayed on a brand-new
+  instance of the runner in a new process (`fresh_check`, fuzz.targets.fresh), or in this one
+  where its class cannot be imported from another (recorded as `in-process`).
 """
 from __future__ import annotations
 
@@ -81,8 +84,33 @@ class BlackBoxTarget(Target):
     def check(self, case):
         return self.checker.check(case)
 
+    @property
+    def keeps_state(self) -> bool:
+        return bool(getattr(self.checker.runner, "keeps_state", True))
+
+    def fresh_check(self, case, history=()):
+        """`history` then `case` on a new instance of the runner: in a new process where its
+        class is importable by name and the checker is the generic one, else in this process."""
+        from fuzz.targets.fresh import IN_PROCESS, PROCESS, checker_options, importable_ref, run_in_child, \
+            run_in_process
+        from fuzz.targets.blackbox import BlackBoxChecker
+
+        runner = self.checker.runner
+        ref = importable_ref(runner)
+        if ref is not None and type(self.checker) is BlackBoxChecker:
+            self.fresh = PROCESS
+            init = runner.fresh_init() if callable(getattr(runner, "fresh_init", None)) else {}
+            return run_in_child(ref, checker_options(self.checker), history, case, init)
+        self.fresh = IN_PROCESS
+        return run_in_process(runner, self.checker, history, case)
+
     def reproducer_meta(self, case, violation) -> dict:
+        from fuzz.targets.fresh import importable_ref
+
         meta = {"blackbox_target": self.name}
+        ref = importable_ref(self.checker.runner)
+        if ref is not None:  # what a replay in Python makes its target from
+            meta["adapter"] = ref
         if getattr(violation, "signature", None):
             meta["signature"] = violation.signature
         return meta

@@ -26,8 +26,24 @@ def test_the_meter_counts_each_forward_and_restores_what_it_wrapped():
     from fuzz.campaign.loop import Campaign
     from fuzz.verdict.harness import Harness
 
+    import os
+    import sys
+    import time
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fuzz"))
+    from fuzz_testutil import FakeClock  # tests/fuzz's (its conftest puts it on the path there)
+
     before = (GPUModelRunner.prepare, Scheduler.schedule, harness_mod.check_fa_records)
     h = Harness()
+    # The campaign runs on a clock each check moves 0.5 s: its budget is about 6 examples however
+    # loaded the machine (the meter's figures are on the real clock: `wall`).
+    clock, check = FakeClock(), h.check
+
+    def timed_check(case):
+        clock.sleep(0.5)
+        return check(case)
+
+    h.check = timed_check
     scheduled = []
     try:
         meter = Meter().install()
@@ -40,12 +56,14 @@ def test_the_meter_counts_each_forward_and_restores_what_it_wrapped():
             return so
         Scheduler.schedule = spy
         try:
+            t0 = time.monotonic()
             s = Campaign(layouts=("tp1pp1",), modes=("eager",), budget_s=3.0, progress=False, harness=h,
-                         out_dir="bench-out/test-meter").run()
+                         out_dir="bench-out/test-meter", clock=clock).run()
+            wall = time.monotonic() - t0
         finally:
             Scheduler.schedule = real
             meter.remove()
-        report = meter.report(FUZZ_MODEL, s.examples, s.seconds)
+        report = meter.report(FUZZ_MODEL, s.examples, wall)
     finally:
         h.close()
     assert (GPUModelRunner.prepare, Scheduler.schedule, harness_mod.check_fa_records) == before

@@ -58,12 +58,12 @@ def redis_url(monkeypatch, tmp_path):
 
 
 class Recording:
-    """FakeHarness that records the Cases it checks."""
+    """FakeHarness that records the Cases it checks; each check moves `clock` (a FakeClock) 50 ms."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock=None) -> None:
         from fuzz_testutil import FakeHarness
 
-        self.inner, self.cases = FakeHarness(fail_from=3), []
+        self.inner, self.cases = FakeHarness(fail_from=3, clock=clock, check_s=0.05), []
 
     def check(self, case):
         self.cases.append(case)
@@ -78,14 +78,16 @@ def test_a_redis_url_shares_failures_between_campaigns(redis_url, restore_profil
     from hypothesis.extra.redis import RedisExampleDatabase
 
     from fuzz.campaign.loop import Campaign
+    from fuzz_testutil import FakeClock
 
     assert profiles.load("nightly") == "nightly"
     assert isinstance(settings.default.database, RedisExampleDatabase)
     runs = []
     for machine in ("a", "b"):  # two machines of one campaign, one after the other
-        h = Recording()
+        clock = FakeClock()  # the budget is about 60 examples, however loaded the machine
+        h = Recording(clock)
         s = Campaign(layouts=("tp1pp1",), modes=("eager",), budget_s=3.0, progress=False, harness=h,
-                     use_database=True, out_dir=str(tmp_path / machine), shrink_budget_s=0).run()
+                     use_database=True, out_dir=str(tmp_path / machine), shrink_budget_s=0, clock=clock).run()
         runs.append((h, s))
     (ha, sa), (hb, sb) = runs
     assert sa.failures and sb.failures

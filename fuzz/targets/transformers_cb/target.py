@@ -78,6 +78,15 @@ class CBTarget(BlackBoxTarget):
         except TargetFailure as f:
             raise PROPERTIES.failure(f, cell.data) from None
 
+    def fresh_check(self, case, history=()):
+        """`history` then `case` on a brand-new engine: the worker is shut down, and the next
+        run starts another process (CBRunner.ensure)."""
+        from fuzz.targets.fresh import RESTARTED, run_sequence
+
+        self.fresh = RESTARTED
+        self.runner.shutdown()
+        return run_sequence(self.check, history, case)
+
     def simpler(self, case):
         """One request at a time cut to one token, then the reference engine's candidates on
         the same config (a config change is a worker restart)."""

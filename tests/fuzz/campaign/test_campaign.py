@@ -165,19 +165,20 @@ def test_shrink_while_finding_stops_at_shrink_s(tmp_path) -> None:
 
 def test_each_cell_gets_an_equal_share_of_the_time_not_of_the_examples(monkeypatch) -> None:
     """A layout whose examples cost many times another's gets a fraction of its examples:
-    the next chunk goes to the cell that has had the least time."""
-    import time
+    the next chunk goes to the cell that has had the least time. (On a clock the checks move:
+    tp1pp2's cost ten times tp1pp1's.)"""
+    from fuzz_testutil import FakeClock, FakeHarness, recording_draws
 
-    from fuzz_testutil import FakeHarness, recording_draws
+    clock = FakeClock()
 
     class Slow(FakeHarness):
         def check(self, case):
-            time.sleep(0.5 if case.config.layout == "tp1pp2" else 0.001)
+            clock.sleep(0.5 if case.config.layout == "tp1pp2" else 0.05)
             return super().check(case)
 
     with recording_draws(monkeypatch) as seen:
         Campaign(layouts=("tp1pp1", "tp1pp2"), modes=("eager",), seed=3, budget_s=5.0, progress=False,
-                 harness=Slow(), out_dir="/nonexistent").run()
+                 harness=Slow(), out_dir="/nonexistent", clock=clock).run()
     n = {lay: sum(len(v) for (cell, _), v in seen.items() if cell == lay) for lay in ("tp1pp1", "tp1pp2")}
     assert n["tp1pp1"] > 2 * n["tp1pp2"], n  # round robin: as many each
 
@@ -199,12 +200,13 @@ def _named_cells(names, hi: int = 10**6) -> list:
 def test_sequential_cells_get_equal_time_for_examples_whatever_their_start_costs() -> None:
     """A sequential target's cells (vLLM: an engine start each) whose starts cost 0, 0.6 and
     1.2 s, known beforehand (`start_estimate_s`): each gets about the same time for examples.
-    Counting a start in its cell's share gave 1.0, 0.4 and the 0.1 s floor here."""
-    import time
-
+    Counting a start in its cell's share gave 1.0, 0.4 and the 0.1 s floor here. (On a clock
+    the starts and checks move.)"""
     from fuzz.targets.base import Target
+    from fuzz_testutil import FakeClock
 
     starts = {"a": 0.0, "b": 0.6, "c": 1.2}
+    clock = FakeClock()
 
     class Starts(Target):
         name, sequential, hypothesis_shrinks, unit = "starts", True, False, "configs"
@@ -219,13 +221,14 @@ def test_sequential_cells_get_equal_time_for_examples_whatever_their_start_costs
             return starts[cell.name]
 
         def start(self, cell):
-            time.sleep(starts[cell.name])
+            clock.sleep(starts[cell.name])
 
         def check(self, case):
-            time.sleep(0.01)
+            clock.sleep(0.01)
             return SimpleNamespace(logits=SimpleNamespace(ratio=0.0), case=case)
 
-    s = Campaign(target=Starts(), budget_s=3.0, min_cell_s=0.1, out_dir="/nonexistent", progress=False).run()
+    s = Campaign(target=Starts(), budget_s=3.0, min_cell_s=0.1, out_dir="/nonexistent", progress=False,
+                 clock=clock).run()
     fuzz_s = {k[0]: c.seconds for k, c in s.cells.items()}
     # (check time only: Hypothesis' own per-example time is not in it)
     assert min(fuzz_s.values()) > 0.1 and max(fuzz_s.values()) < 2 * min(fuzz_s.values()), fuzz_s
@@ -235,10 +238,12 @@ def test_sequential_cells_get_equal_time_for_examples_whatever_their_start_costs
 def test_a_sequential_campaign_names_the_next_cell_before_fuzzing_the_current() -> None:
     """`Target.prestart(next cell)` comes right after a cell starts, before its first
     example, so a target can start the next engine beside this cell's examples; the last cell
-    names none."""
+    names none. (On a clock the checks move: every cell has its examples, however loaded the machine.)"""
     from fuzz.targets.base import Target
+    from fuzz_testutil import FakeClock
 
     events: list[str] = []
+    clock = FakeClock()
 
     class Seq(Target):
         name, sequential, hypothesis_shrinks, unit = "seq", True, False, "configs"
@@ -256,21 +261,23 @@ def test_a_sequential_campaign_names_the_next_cell_before_fuzzing_the_current() 
             events.append(f"prestart {cell.name}")
 
         def check(self, case):
+            clock.sleep(0.01)
             if events[-1] != f"check {case.target_options['cell']}":
                 events.append(f"check {case.target_options['cell']}")
             return SimpleNamespace(logits=SimpleNamespace(ratio=0.0), case=case)
 
-    Campaign(target=Seq(), budget_s=1.5, min_cell_s=0.1, out_dir="/nonexistent", progress=False).run()
+    Campaign(target=Seq(), budget_s=1.5, min_cell_s=0.1, out_dir="/nonexistent", progress=False, clock=clock).run()
     assert events == ["start a", "prestart b", "check a", "start b", "prestart c", "check b", "start c", "check c"], events
 
 
 def _prestarting_campaign(names: str, start_s: float, estimates: dict[str, float], budget_s: float):
     """A campaign on a target that `prestarts`: each cell's engine is up `start_s` after it is
     pre-started, and `start_estimate_s` says `estimates`. Returns (when each cell was up,
-    each cell's check times)."""
-    import time
-
+    each cell's check times), on a clock the checks move (10 ms each)."""
     from fuzz.targets.base import Target
+    from fuzz_testutil import FakeClock
+
+    clock = FakeClock()
 
     up_at: dict[str, float] = {}
     checks: dict[str, list[float]] = {n: [] for n in names}
@@ -288,17 +295,18 @@ def _prestarting_campaign(names: str, start_s: float, estimates: dict[str, float
             return estimates.get(cell.name, 0.0)
 
         def prestart(self, cell):
-            up_at[cell.name] = time.monotonic() + start_s
+            up_at[cell.name] = clock.now + start_s
 
         def starting(self, cell):
-            return time.monotonic() < up_at[cell.name]
+            return clock.now < up_at[cell.name]
 
         def check(self, case):
-            time.sleep(0.01)
-            checks[case.target_options["cell"]].append(time.monotonic())
+            clock.sleep(0.01)
+            checks[case.target_options["cell"]].append(clock.now)
             return SimpleNamespace(logits=SimpleNamespace(ratio=0.0), case=case)
 
-    Campaign(target=Prestarting(), budget_s=budget_s, min_cell_s=0.1, out_dir="/nonexistent", progress=False).run()
+    Campaign(target=Prestarting(), budget_s=budget_s, min_cell_s=0.1, out_dir="/nonexistent", progress=False,
+             clock=clock).run()
     return up_at, checks
 
 
@@ -334,10 +342,11 @@ def test_a_cell_stops_at_its_share_when_the_starts_left_would_not_fit() -> None:
 
 def _slow_first_cell(check_s: float, budget_s: float) -> dict[str, list[float]]:
     """Cells a and b of a sequential target that wants 10 examples a cell; a's examples take
-    `check_s`, b's 10 ms. Returns each cell's check times."""
-    import time
-
+    `check_s`, b's 10 ms, on a clock the checks move. Returns each cell's check times."""
     from fuzz.targets.base import Target
+    from fuzz_testutil import FakeClock
+
+    clock = FakeClock()
 
     checks: dict[str, list[float]] = {"a": [], "b": []}
 
@@ -353,11 +362,12 @@ def _slow_first_cell(check_s: float, budget_s: float) -> dict[str, list[float]]:
 
         def check(self, case):
             n = case.target_options["cell"]
-            time.sleep(check_s if n == "a" else 0.01)
-            checks[n].append(time.monotonic())
+            clock.sleep(check_s if n == "a" else 0.01)
+            checks[n].append(clock.now)
             return SimpleNamespace(logits=SimpleNamespace(ratio=0.0), case=case)
 
-    Campaign(target=SlowFirst(), budget_s=budget_s, min_cell_s=0.1, out_dir="/nonexistent", progress=False).run()
+    Campaign(target=SlowFirst(), budget_s=budget_s, min_cell_s=0.1, out_dir="/nonexistent", progress=False,
+             clock=clock).run()
     return checks
 
 

@@ -25,17 +25,20 @@ from fuzz.campaign.jobs_worker import Share, merge_reports, summary_doc
 from fuzz.verdict.properties import LogitsMismatch
 from fuzz.campaign.recorder import Claims, Recorder
 from fuzz.campaign.summary import Summary
-from fuzz_testutil import FakeHarness, recording_draws
+from fuzz_testutil import FakeClock, FakeHarness, recording_draws
 
 REPO = str(Path(__file__).resolve().parents[3])
 
 
 def draws(monkeypatch, layouts, share=None, budget_s=2.5) -> dict:
     """{(layout, chunk index): [Case keys drawn]} of a campaign on FakeHarness, the last
-    chunk (cut by the budget) left out."""
+    chunk (cut by the budget) left out. On a clock each check moves 50 ms: the budget holds
+    as many chunks however loaded the machine."""
+    clock = FakeClock()
     with recording_draws(monkeypatch) as seen:
         Campaign(layouts=layouts, modes=("eager", "graph"), seed=7, budget_s=budget_s, progress=False,
-                 harness=FakeHarness(), out_dir="/nonexistent", share=share).run()
+                 harness=FakeHarness(clock=clock, check_s=0.05), out_dir="/nonexistent", share=share,
+                 clock=clock).run()
     seen.pop(list(seen)[-1])
     return seen
 

@@ -408,7 +408,8 @@ def test_memory_and_fds_stay_flat_over_a_campaign(tmp_path):
     engines so that engines are built and evicted all the time (where leaks hide). Between
     them, nothing may grow but the bounded reference cache, by its logits alone.
 
-    Measured (2 cores, 17-24 measured examples): no engine internals left, fds and threads
+    The campaigns' budgets are in examples (a clock each check moves: `_memory_census`), so a
+    loaded machine runs as many. Measured (2 cores, 17-24 measured examples): no engine internals left, fds and threads
     equal, 20-45 tensors per cached run; malloc's in-use bytes +0.5 MB over the repeat (the
     measured Cases again), +1.8 MB over the measured campaign; 1 MB kept a check (planted)
     read +16.4 MB over the repeat (RSS: +6.5, the pages never touched). Before the fixes this test found
@@ -456,6 +457,9 @@ def test_memory_and_fds_stay_flat_over_a_campaign(tmp_path):
     assert again["rss_mb"] - bare["rss_mb"] < 112, (bare, again)
 
 
+CHECK_S = 0.5  # what a check costs the census campaigns' clock
+
+
 def _memory_census(out_dir: str) -> dict:
     """The campaigns of test_memory_and_fds_stay_flat_over_a_campaign and the census between
     them, for a fresh interpreter to run (runpy) and print."""
@@ -464,12 +468,17 @@ def _memory_census(out_dir: str) -> dict:
     from fuzz.campaign.loop import Campaign
     from fuzz.verdict.harness import Harness
 
+    from fuzz_testutil import FakeClock
+
     base = FUZZ_MODEL.replace(num_hidden_layers=2)  # small and quick: many examples, same machinery
     h = Harness(pool_capacity=2)
+    # The campaigns run on a clock each check moves by CHECK_S: a budget is a number of
+    # examples (budget / CHECK_S), however loaded the machine (a loaded one fit 7 in 10 s).
+    clock = FakeClock()
 
     def campaign(seed: int, budget_s: float):
         s = Campaign(layouts=("tp1pp2", "tp2pp1"), modes=("eager", "graph"), base=base, max_requests=4,
-                     seed=seed, budget_s=budget_s, out_dir=out_dir, harness=h, progress=False).run()
+                     seed=seed, budget_s=budget_s, out_dir=out_dir, harness=h, progress=False, clock=clock).run()
         return {"failures": len(s.failures), "examples": s.examples}
 
     # The measured campaign's Cases, in the order it checked them: the repeat checks exactly
@@ -477,19 +486,24 @@ def _memory_census(out_dir: str) -> dict:
     # a rerun reaches other chunks, and their first-use memory reads as growth).
     checked, check = [], h.check
 
+    def timed_check(case):
+        clock.sleep(CHECK_S)
+        return check(case)
+
     def recording_check(case):
         checked.append(case)
-        return check(case)
+        return timed_check(case)
 
     out = {"before": _census(h)}
     try:
         # The warm-up draws what the measured campaign starts with (same seed): the code paths
         # those Cases take are met before the census, so less first use reads as growth.
-        out["warm_up"] = campaign(1, 8)
+        h.check = timed_check
+        out["warm_up"] = campaign(1, 16 * CHECK_S)  # about 16 examples
         h.clear_caches()
         out["warm"] = _census(h)
         h.check = recording_check
-        out["measured"] = campaign(1, 10)
+        out["measured"] = campaign(1, 20 * CHECK_S)  # about 20
         h.check = check
         out["end"] = _census(h)
         h.ref_cache.clear()

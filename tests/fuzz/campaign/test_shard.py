@@ -14,14 +14,17 @@ from fuzz.campaign.shard import Shard, parse_shard, shard_part
 from fuzz.cli.main import main
 from fuzz.errors import BadInput
 
-from fuzz_testutil import FakeHarness, recording_draws
+from fuzz_testutil import FakeClock, FakeHarness, campaigns_on, recording_draws
 
 
 def drawn(monkeypatch, tmp_path, argv: list[str]) -> tuple[dict, dict]:
     """`llmfuzz run ARGV --json` on FakeHarness (no engine): ({(layout, chunk): [Case JSON]},
-    the summary), the chunk each cell was in when the budget cut it left out."""
+    the summary), the chunk each cell was in when the budget cut it left out. On a clock each
+    check moves 50 ms: the budget holds as many chunks however loaded the machine."""
     with recording_draws(monkeypatch) as seen:
-        monkeypatch.setattr(loop, "make_harness", lambda *a, **k: FakeHarness())
+        clock = FakeClock()
+        monkeypatch.setattr(loop, "make_harness", lambda *a, **k: FakeHarness(clock=clock, check_s=0.05))
+        campaigns_on(monkeypatch, clock)
         out = tmp_path / f"summary{len(list(tmp_path.iterdir()))}.json"
         with open(out, "w") as f, contextlib.redirect_stdout(f):
             assert main(["run", "--jobs", "1", "--modes", "eager", "--seed", "3", "--budget", "3", "--json",
@@ -129,7 +132,9 @@ def test_a_sequential_targets_shard_draws_each_cell_as_the_whole_campaign(monkey
     from fuzz.cases.case import Case, RequestSpec, Workload
     from fuzz.cases.strategies import FUZZ_MODEL
     from fuzz.targets.base import Cell, Target
-    from fuzz_testutil import PASS
+    from fuzz_testutil import PASS, FakeClock
+
+    clock = FakeClock()  # each check moves it 20 ms: both runs have as many chunks, however loaded the machine
 
     class Configs(Target):
         name, sequential, hypothesis_shrinks, unit, chunk = "fake", True, False, "configs", 4
@@ -143,6 +148,7 @@ def test_a_sequential_targets_shard_draws_each_cell_as_the_whole_campaign(monkey
             return [Cell(name, st.integers(1, 6).map(case), name) for name in self.names]
 
         def check(self, case):
+            clock.sleep(0.02)
             return PASS
 
         def stats_key(self, case):
@@ -153,7 +159,7 @@ def test_a_sequential_targets_shard_draws_each_cell_as_the_whole_campaign(monkey
     def run(cells, share=None):
         with recording_draws(monkeypatch) as seen:
             Campaign(target=Configs(cells), budget_s=2.0, min_cell_s=0.3, progress=False, out_dir="/nonexistent",
-                     share=share).run()
+                     share=share, clock=clock).run()
         return seen
 
     one = run(names)

@@ -205,13 +205,17 @@ def test_minimal_case_passes_without_the_plant(harness) -> None:
 
 # -- the shrink phase: what the campaign's budget cut short is finished after it ----------------
 
-def test_failure_found_late_ends_minimal_within_the_shrink_budget(tmp_path) -> None:
+def test_failure_found_late_ends_minimal_within_the_shrink_budget(tmp_path, monkeypatch) -> None:
     """A registry fault (pp_uneven_partition: shows on any uneven pp split), found on the first
     example of a tp2pp3-only campaign whose budget leaves it no time to minimize (shrink_s=0:
     nothing is minimized during the campaign, as when the budget ends right after the
     finding). The shrink phase after the budget takes it to the minimal Case (tp1pp3, one
     request of one token), records `minimal: true` in the reproducer and the summary,
-    replaces the unshrunk file, and stays within its budget."""
+    replaces the unshrunk file, and stays within its budget. On a clock each check moves 0.5 s:
+    the phase's 120 s are 240 checks, however loaded the machine."""
+    from fuzz_testutil import FakeClock, campaigns_on
+
+    campaigns_on(monkeypatch, FakeClock(), check_s=0.5)
     from fuzz.campaign.loop import Campaign
     from fuzz.campaign.reproduce import load_reproducer
 

@@ -32,8 +32,17 @@ class CountingHarness:
 
 
 def test_a_short_campaign_reports_reach_per_cell_above_zero(tmp_path) -> None:
-    camp = Campaign(layouts=("tp1pp2",), modes=("eager", "graph"), seed=0, out_dir=str(tmp_path), harness=CountingHarness(),
-                    budget_s=6, progress=False)
+    from fuzz_testutil import FakeClock
+
+    clock = FakeClock()  # each check moves it 50 ms: the budget is about 120 examples, however loaded the machine
+
+    class Timed(CountingHarness):
+        def check(self, case):
+            clock.sleep(0.05)
+            return super().check(case)
+
+    camp = Campaign(layouts=("tp1pp2",), modes=("eager", "graph"), seed=0, out_dir=str(tmp_path), harness=Timed(),
+                    budget_s=6, progress=False, clock=clock)
     s = camp.run()
     doc = json.loads(json.dumps(s.to_json()))
     rows = doc["per_cell"]

@@ -16,6 +16,7 @@ from fuzz.contention import Profile, active
 from fuzz.contention.command import enter_cell, for_replay, held
 from fuzz.contention.profile import draw_levels, drawn_for
 from fuzz.verdict.properties import LogitsMismatch
+from fuzz_testutil import FakeClock, campaigns_on
 
 CASE = Case(FUZZ_MODEL, Workload((RequestSpec((1, 2, 3), 2),)))
 
@@ -34,13 +35,18 @@ def test_bad_contention_is_one_line_and_exit_2(capsys, argv, words):
     assert words in err and len(err.splitlines()) == 1
 
 
-def test_a_finding_records_its_contention_and_replay_restores_it(capsys, tmp_path):
+def test_a_finding_records_its_contention_and_replay_restores_it(capsys, tmp_path, monkeypatch):
+    # On a clock the test controls (each check 0.2 s of it): as many examples on a busy machine as on a quiet one.
+    campaigns_on(monkeypatch, FakeClock(), check_s=0.2)
     code = main(["run", "--budget", "30", "--jobs", "1", "--layouts", "tp1pp1", "--modes", "eager", "--fault",
                  "sampling_penalty_stale_row", "--contention", "cpu:1", "--out", str(tmp_path), "--quiet"])
     assert code == 1
     (path,) = tmp_path.glob("*/*.json")
     repro = load_reproducer(str(path))
     assert repro.meta["contention"] == "cpu:1"
+    # Found under contention: the shrunk Case's rate under the same load (a deterministic CPU bug: every time).
+    assert repro.meta["replay_rate"] == {"reproduced": 8, "runs": 8, "differs": 0, "contention": "cpu:1"}
+    assert "replayed: reproduces 8/8 under cpu:1" in capsys.readouterr().out
     assert active() is None  # the run's load ended with it
     capsys.readouterr()
     assert main(["replay", str(path), "--json", "--replays", "2"]) == 1

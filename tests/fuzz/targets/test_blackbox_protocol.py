@@ -202,9 +202,20 @@ def test_the_campaign_fuzzes_an_adapter_and_writes_its_reproducer(tmp_path) -> N
             return [llmfuzz.Completion(c.token_ids[:-1], c.logprobs[:-1])
                     if len(r.prompt_token_ids) >= 6 and len(c.token_ids) > 1 else c for r, c in zip(requests, out)]
 
+    from fuzz_testutil import FakeClock
+
     target = BlackBoxTarget(BlackBoxChecker(Short(), "short", transformers=False), layouts=("tp1pp1",))
+    # On a clock each check moves 100 ms: the budgets are 400 examples and 200 shrink checks,
+    # however loaded the machine.
+    clock, check = FakeClock(), target.check
+
+    def timed_check(case):
+        clock.sleep(0.1)
+        return check(case)
+
+    target.check = timed_check
     summary = Campaign(target=target, budget_s=40, out_dir=str(tmp_path), progress=False, stop_on_failure=True,
-                       shrink_budget_s=20).run()
+                       shrink_budget_s=20, clock=clock).run()
     target.close()
     assert [f.property for f in summary.failures] == ["short_vs_reference"]
     doc = json.loads(open(summary.failures[0].path).read())

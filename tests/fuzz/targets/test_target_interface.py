@@ -69,8 +69,8 @@ class FakeSequential(Target):
 
     name, sequential, hypothesis_shrinks, confirm_before_shrink, unit = "fake", True, False, False, "configs"
 
-    def __init__(self) -> None:
-        self.known = {"known@x"}
+    def __init__(self, clock=None) -> None:
+        self.known, self.clock = {"known@x"}, clock  # a FakeClock each check moves 100 ms
 
     def cells(self):
         def on(n):
@@ -86,6 +86,8 @@ class FakeSequential(Target):
             raise Unsupported("refused by design")
 
     def check(self, case):
+        if self.clock is not None:
+            self.clock.sleep(0.1)
         cell = case.target_options["cell"]
         if cell in "bc":
             v = CrashViolation("crash", case)
@@ -106,8 +108,11 @@ class FakeSequential(Target):
 
 
 def test_sequential_target_on_the_one_campaign_loop(tmp_path):
-    s = Campaign(target=FakeSequential(), budget_s=4, min_cell_s=1, out_dir=str(tmp_path), progress=False,
-                 shrink_grace_s=10).run()
+    from fuzz_testutil import FakeClock
+
+    clock = FakeClock()  # the budget is examples (40 at most), however loaded the machine
+    s = Campaign(target=FakeSequential(clock), budget_s=4, min_cell_s=1, out_dir=str(tmp_path), progress=False,
+                 shrink_grace_s=10, clock=clock).run()
     rows = {k[0]: c for k, c in s.cells.items()}
     assert s.planned == ["a", "b", "c", "d"]
     assert rows["a"].unsupported == "refused by design" and rows["a"].examples == 0

@@ -57,14 +57,29 @@ def test_bad_options_are_one_line_bad_input(capsys, argv, message):
 
 
 @pytest.mark.slow
-def test_a_short_campaign_runs_and_counts_a_refused_config_unsupported(capsys, tmp_path):
+def test_a_short_campaign_runs_and_counts_a_refused_config_unsupported(capsys, tmp_path, monkeypatch):
     """End to end: `llmfuzz run --target transformers-cb` over the first two planned configs
-    (the default one, then async batching, which the library refuses on the CPU)."""
+    (the default one, then async batching, which the library refuses on the CPU). The
+    campaign runs on a clock each check moves by 4 s: its 25 s budget is a few examples of the
+    first config, then the second, however long the worker's start and the examples take
+    (a loaded machine spent the whole budget on the first)."""
     import importlib.util
     import json
 
+    from fuzz_testutil import FakeClock, campaigns_on
+
+    from fuzz.targets.transformers_cb.target import CBTarget
+
     if importlib.util.find_spec("transformers") is None:
         pytest.skip("needs transformers")
+    clock, check = FakeClock(), CBTarget.check
+
+    def timed_check(self, case):
+        clock.sleep(4.0)
+        return check(self, case)
+
+    campaigns_on(monkeypatch, clock)
+    monkeypatch.setattr(CBTarget, "check", timed_check)
     code = main(["run", "--target", "transformers-cb", "--budget", "25", "--configs", "2", "--json",
                  "--out", str(tmp_path)])
     doc = json.loads(capsys.readouterr().out)
