@@ -84,16 +84,6 @@ def recording_check(target, histories: Histories, cell: Callable[[], str]) -> Ca
     return check
 
 
-def run_history(check: Callable, history: Iterable[Case]) -> None:
-    """Run each history Case through `check` (a replay's engine gets the state it needs);
-    their own failures, if any, are not what the reproducer records."""
-    for h in history:
-        try:
-            check(h)
-        except Violation:
-            pass
-
-
 def parse_history(doc: dict) -> tuple[Case, ...]:
     """A reproducer's `history` (Case dicts, oldest first; absent in older reproducers: none)."""
     raw = doc.get("history") or []

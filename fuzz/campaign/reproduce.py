@@ -175,7 +175,7 @@ def replay_on(target, repro: Reproducer) -> tuple[str, Exception | None]:
     """Run the reproducer's Case on `target` once (after its history, where it has one: the
     earlier Cases, on the same engine): its `replay_verdict` and the Violation raised (None
     when it passed)."""
-    from fuzz.campaign.history import run_history
+    from fuzz.targets.fresh import run_history
     from fuzz.verdict.properties import Violation
 
     run_history(target.check, repro.history)

@@ -96,7 +96,7 @@ class Contention:
                 try:
                     os.killpg(p.pid, sig)
                 except ProcessLookupError:
-                    pass
+                    continue  # already gone; it is reaped below
         for p in procs:
             try:
                 p.wait(timeout=10)

@@ -43,15 +43,21 @@ class FreshViolation(Violation):
         self.signature = doc.get("signature")
 
 
-def run_sequence(check: Callable, history: Iterable[Case], case: Case, checked: Callable | None = None):
-    """`history` then `case` through `check` (one engine, in that order): the Violation `case`
-    raises, else None. A history Case's own failure is not the one asked about: it is passed
-    over. `checked(verdict)` False (a Case the target did not run) makes it FreshUnavailable."""
+def run_history(check: Callable, history: Iterable[Case]) -> None:
+    """Run each history Case through `check`, so the engine gets the state the Case after it
+    needs. A history Case's own failure is not the one a replay asks about: it is passed over."""
     for h in history:
         try:
             check(h)
         except Violation:
-            pass
+            continue  # not the recorded failure; the engine's state after it is what counts
+
+
+def run_sequence(check: Callable, history: Iterable[Case], case: Case, checked: Callable | None = None):
+    """`history` then `case` through `check` (one engine, in that order): the Violation `case`
+    raises, else None. `checked(verdict)` False (a Case the target did not run) makes it
+    FreshUnavailable."""
+    run_history(check, history)
     try:
         verdict = check(case)
     except Violation as v:

@@ -48,7 +48,7 @@ class NeedsMark(Target):
         return []
 
     def check(self, case):
-        raise NotImplementedError
+        raise AssertionError("settle replays through fresh_check only; a warm check here is a bug")
 
     def fresh_check(self, case, history=()):
         self.fresh = PROCESS
@@ -152,7 +152,7 @@ def test_an_adapter_that_cannot_be_imported_elsewhere_is_replayed_in_process() -
     from fuzz.targets.blackbox_target import BlackBoxTarget
 
     class Local(StaleRowTarget):
-        pass
+        """Defined in a function: no fresh process can import it by name."""
 
     target = BlackBoxTarget(BlackBoxChecker(Local(), "stalerow", transformers=False, batch_invariance=False))
     try:

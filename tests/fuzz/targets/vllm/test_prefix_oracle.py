@@ -42,7 +42,7 @@ class StubRunner:
         return run
 
     def close(self) -> None:
-        pass
+        """Nothing to shut down: no worker process behind this fake."""
 
 
 def case_of(*reqs: RequestSpec):
